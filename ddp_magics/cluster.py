@@ -1,0 +1,391 @@
+"""One ipyparallel cluster whose engines are the ranks of a torch.distributed process group.
+
+The notebook side of the extension talks to engines only through :class:`RankCluster`.
+Nothing here prints or knows about IPython: progress goes to a callback, problems are
+raised as the exceptions defined below.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import ipyparallel as ipp
+import psutil
+from traitlets.config import Config
+
+from ddp_magics import rank as rank_code
+
+BACKENDS = ("auto", "gloo", "nccl")
+CLUSTERS_ROOT = Path(tempfile.gettempdir()) / f"ddp_magics-{os.getuid()}"
+OWNER_FILE = "owner.json"
+LOCAL_HOST = "127.0.0.1"
+
+Progress = Callable[[str], None]
+
+
+class ClusterError(RuntimeError):
+    """The cluster could not do what was asked (start, reach a rank, ...)."""
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    engine_id: int
+    host: str
+    pid: int
+    local_rank: int
+    device: str
+
+
+@dataclass(frozen=True)
+class RankStatus:
+    info: RankInfo
+    alive: bool
+
+
+def visible_gpu_count() -> int:
+    """GPUs this process can see, without importing torch when there can be none."""
+    if "torch" not in sys.modules and not Path("/dev/nvidiactl").exists():
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def resolve_backend(requested: str, gpus_per_rank: list[int]) -> str:
+    """auto means nccl when every rank has a GPU of its own, else gloo."""
+    if requested != "auto":
+        return requested
+    return "nccl" if gpus_per_rank and all(gpus_per_rank) else "gloo"
+
+
+def _process_alive(pid: int, create_time: float | None = None) -> bool:
+    try:
+        process = psutil.Process(pid)
+        if create_time is not None and abs(process.create_time() - create_time) > 1:
+            return False  # the PID was reused by another process
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+class RankCluster:
+    """Start, run on, inspect and stop a cluster of ``n`` ranks."""
+
+    def __init__(
+        self,
+        n: int,
+        backend: str = "auto",
+        pg_timeout: float = 1800.0,
+        heartbeat_ms: int = 250,
+        engine_timeout: float = 60.0,
+        engine_launcher: str = "local",
+    ) -> None:
+        if n < 1:
+            raise ValueError(f"a cluster needs at least one rank, not {n}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
+        self.n = n
+        self.requested_backend = backend
+        self.backend: str | None = None
+        self.pg_timeout = pg_timeout
+        self.heartbeat_ms = heartbeat_ms
+        self.engine_timeout = engine_timeout
+        self.engine_launcher = engine_launcher
+        self.ranks: list[RankInfo] = []
+        self.workdir: Path | None = None
+        self._cluster: ipp.Cluster | None = None
+        self._client: ipp.Client | None = None
+        self._stack_offsets: dict[int, int] = {}
+
+    # ---------------------------------------------------------------- lifecycle
+    @property
+    def running(self) -> bool:
+        return self._cluster is not None
+
+    def start(self, progress: Progress | None = None) -> None:
+        progress = progress or (lambda message: None)
+        if self.running:
+            raise ClusterError("this cluster is already running")
+        self.workdir = Path(tempfile.mkdtemp(prefix="cluster-", dir=_clusters_root()))
+        _write_owner(self.workdir)
+        try:
+            self._start_engines(progress)
+            self._form_process_group(progress)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start_engines(self, progress: Progress) -> None:
+        profile_dir = self.workdir / "profile"
+        (profile_dir / "security").mkdir(parents=True)
+        config = Config()
+        config.EngineLauncher.engine_cmd = [sys.executable, "-m", "ddp_magics.engine"]
+        config.BaseLauncher.environment = {"IPYTHONDIR": str(self.workdir / "ipython")}
+        self._cluster = ipp.Cluster(
+            n=self.n,
+            profile_dir=str(profile_dir),
+            controller_ip=LOCAL_HOST,
+            controller_args=[f"--HeartMonitor.period={self.heartbeat_ms}"],
+            engines=self.engine_launcher,
+            delay=0,
+            send_engines_connection_env=False,
+            load_profile=False,
+            log_level=logging.WARNING,
+            config=config,
+        )
+        progress(f"starting controller and {self.n} engines")
+        self._cluster.start_cluster_sync()
+        self._client = self._cluster.connect_client_sync()
+        deadline = time.monotonic() + self.engine_timeout
+        while (connected := len(self._client.ids)) < self.n:
+            progress(f"engines connected: {connected}/{self.n}")
+            try:
+                self._client.wait_for_engines(
+                    connected + 1,
+                    timeout=max(deadline - time.monotonic(), 0.001),
+                    interactive=False,
+                    widget=False,
+                )
+            except TimeoutError:
+                raise ClusterError(
+                    f"only {len(self._client.ids)} of {self.n} engines connected "
+                    f"within {self.engine_timeout:g} s"
+                ) from None
+        progress(f"engines connected: {self.n}/{self.n}")
+
+    def _form_process_group(self, progress: Progress) -> None:
+        engine_ids = sorted(self._client.ids)[: self.n]
+        progress("importing torch on the engines")
+        probes = self._client[engine_ids].apply_sync(rank_code.probe_engine)
+        hosts = [probe.host for probe in probes]
+        local_ranks = [hosts[:index].count(host) for index, host in enumerate(hosts)]
+        gpus = [int(probe.gpu_count > local) for probe, local in zip(probes, local_ranks)]
+        self.backend = resolve_backend(self.requested_backend, gpus)
+        if self.backend == "nccl" and not all(gpus):
+            missing = [rank for rank, has_gpu in enumerate(gpus) if not has_gpu]
+            raise ClusterError(
+                f"nccl needs a GPU for every rank; ranks {_format_ranks(missing)} have none"
+            )
+        master_addr = LOCAL_HOST if len(set(hosts)) == 1 else hosts[0]
+        stacks_dir = self.workdir / "stacks"
+        stacks_dir.mkdir()
+        self.ranks = [
+            RankInfo(
+                rank=rank,
+                engine_id=engine_id,
+                host=probe.host,
+                pid=probe.pid,
+                local_rank=local_rank,
+                device=f"cuda:{local_rank}" if self.backend == "nccl" else "cpu",
+            )
+            for rank, (engine_id, probe, local_rank) in enumerate(
+                zip(engine_ids, probes, local_ranks)
+            )
+        ]
+        progress(f"forming the {self.backend} process group")
+        pending = [
+            self._client[info.engine_id].apply_async(
+                rank_code.setup_rank,
+                rank_code.RankSetup(
+                    rank=info.rank,
+                    local_rank=info.local_rank,
+                    world_size=self.n,
+                    master_addr=master_addr,
+                    master_port=probes[0].free_port,
+                    backend=self.backend,
+                    device=info.device,
+                    timeout_s=self.pg_timeout,
+                    stack_dump_path=str(self.stack_dump_path(info.rank)),
+                ),
+            )
+            for info in self.ranks
+        ]
+        for result in pending:
+            result.get(timeout=self.engine_timeout)
+
+    def stop(self) -> None:
+        """Stop controller and engines and remove the cluster's files. Safe to call twice."""
+        cluster, self._cluster = self._cluster, None
+        client, self._client = self._client, None
+        if client is not None:
+            client.close()
+        if cluster is not None:
+            processes = _processes_with_children(_cluster_pids(Path(cluster.cluster_file)))
+            cluster.stop_cluster_sync()
+            _wait_for_exit(processes)
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            self.workdir = None
+        self.ranks = []
+        self._stack_offsets = {}
+
+    def restart(self, progress: Progress | None = None) -> None:
+        """New engines, same world size, backend and rank -> device mapping."""
+        backend = self.backend or self.requested_backend
+        self.stop()
+        self.requested_backend = backend
+        self.start(progress)
+
+    # ------------------------------------------------------------------- state
+    def engine_ids(self, ranks: Iterable[int] | None = None) -> list[int]:
+        chosen = range(self.n) if ranks is None else ranks
+        return [self.ranks[rank].engine_id for rank in chosen]
+
+    def dead_ranks(self) -> list[int]:
+        connected = set(self._client.ids) if self._client is not None else set()
+        return [
+            info.rank
+            for info in self.ranks
+            if info.engine_id not in connected or not self._rank_process_alive(info)
+        ]
+
+    def _rank_process_alive(self, info: RankInfo) -> bool:
+        return info.host != _this_host() or _process_alive(info.pid)
+
+    def status(self) -> list[RankStatus]:
+        dead = set(self.dead_ranks())
+        return [RankStatus(info=info, alive=info.rank not in dead) for info in self.ranks]
+
+    # ------------------------------------------------------------------- running
+    def execute(self, code: str, ranks: list[int]) -> ipp.AsyncResult:
+        """Start running ``code`` on ``ranks``; returns at once."""
+        return self._client[self.engine_ids(ranks)].execute(code, silent=False, block=False)
+
+    def push(self, namespace: dict) -> None:
+        self._client[self.engine_ids()].push(namespace, block=True)
+
+    def pull(self, name: str) -> dict[int, object]:
+        values = self._client[self.engine_ids()].pull(name, block=True)
+        return dict(enumerate(values))
+
+    def interrupt(self, ranks: list[int]) -> None:
+        self._client.send_signal(signal.SIGINT, targets=self.engine_ids(ranks), block=True)
+
+    # ------------------------------------------------------------------- stacks
+    def stack_dump_path(self, rank: int) -> Path:
+        return self.workdir / "stacks" / f"rank{rank}.txt"
+
+    def dump_stacks(self, ranks: list[int], wait: float = 3.0) -> dict[int, str]:
+        """Python stacks of every thread of ``ranks``, even while they block in C code."""
+        paths = {rank: self.stack_dump_path(rank) for rank in ranks}
+        offsets = {rank: _file_size(path) for rank, path in paths.items()}
+        self._client.send_signal(
+            rank_code.STACK_DUMP_SIGNAL, targets=self.engine_ids(ranks), block=True
+        )
+        dumps: dict[int, str] = {}
+        deadline = time.monotonic() + wait
+        while len(dumps) < len(ranks) and time.monotonic() < deadline:
+            for rank, path in paths.items():
+                if rank in dumps:
+                    continue
+                text = _read_from(path, offsets[rank])
+                # A dump is complete when the file stops growing after it began.
+                if text and text == _settled_read(path, offsets[rank], text):
+                    dumps[rank] = text
+            time.sleep(0.02)
+        return dumps
+
+
+# ------------------------------------------------------------------ stray clusters
+def _clusters_root() -> Path:
+    CLUSTERS_ROOT.mkdir(mode=0o700, exist_ok=True)
+    return CLUSTERS_ROOT
+
+
+def _write_owner(workdir: Path) -> None:
+    me = psutil.Process()
+    (workdir / OWNER_FILE).write_text(json.dumps({"pid": me.pid, "create_time": me.create_time()}))
+
+
+def stop_stray_clusters() -> list[str]:
+    """Stop clusters whose owning kernel is gone, by their ipyparallel cluster files.
+
+    Returns one description per cluster stopped.
+    """
+    stopped = []
+    for workdir in sorted(_clusters_root().glob("cluster-*")):
+        try:
+            owner = json.loads((workdir / OWNER_FILE).read_text())
+        except FileNotFoundError:
+            continue  # being created right now by another kernel
+        if _process_alive(owner["pid"], owner["create_time"]):
+            continue
+        for cluster_file in sorted((workdir / "profile" / "security").glob("cluster-*.json")):
+            cluster = ipp.Cluster.from_file(str(cluster_file), log_level=logging.WARNING)
+            processes = _processes_with_children(_cluster_pids(cluster_file))
+            cluster.stop_cluster_sync()
+            _wait_for_exit(processes)
+            stopped.append(f"cluster {cluster.cluster_id} of process {owner['pid']}")
+        shutil.rmtree(workdir, ignore_errors=True)
+    return stopped
+
+
+def _cluster_pids(cluster_file: Path) -> list[int]:
+    data = json.loads(cluster_file.read_text())
+    pids = [data.get("controller", {}).get("state", {}).get("pid", -1)]
+    for engine_set in data.get("engines", {}).get("sets", {}).values():
+        for engine in engine_set.get("engines", {}).values():
+            pids.append(engine.get("pid", -1))
+    return [pid for pid in pids if pid and pid > 0]
+
+
+def _processes_with_children(pids: Iterable[int]) -> list[psutil.Process]:
+    """The processes and their children (an engine's nanny), found while they still run."""
+    processes = []
+    for pid in pids:
+        try:
+            process = psutil.Process(pid)
+            processes.extend([process, *process.children(recursive=True)])
+        except psutil.NoSuchProcess:
+            continue
+    return processes
+
+
+def _wait_for_exit(processes: list[psutil.Process], timeout: float = 10.0) -> None:
+    """Wait for stopped processes to exit; kill, by PID, any still there after ``timeout``."""
+    _, alive = psutil.wait_procs(processes, timeout=timeout)
+    for process in alive:
+        process.kill()
+    psutil.wait_procs(alive, timeout=timeout)
+
+
+def _this_host() -> str:
+    import socket
+
+    return socket.gethostname()
+
+
+def _file_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _read_from(path: Path, offset: int) -> str:
+    try:
+        with open(path, errors="replace") as file:
+            file.seek(offset)
+            return file.read()
+    except FileNotFoundError:
+        return ""
+
+
+def _settled_read(path: Path, offset: int, previous: str) -> str:
+    time.sleep(0.05)
+    return _read_from(path, offset)
+
+
+def _format_ranks(ranks: list[int]) -> str:
+    return ",".join(str(rank) for rank in ranks)

@@ -1,0 +1,115 @@
+"""Code that runs on an engine: probing, process-group setup and the names a cell sees.
+
+Nothing here imports notebook-side modules; the functions are sent to engines by
+reference (``ddp_magics.rank.setup_rank``), so this module must import cheaply.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import socket
+import threading
+from dataclasses import dataclass
+
+STACK_DUMP_SIGNAL = signal.SIGUSR1
+INLINE_BACKEND = "module://matplotlib_inline.backend_inline"
+
+# Kept alive for faulthandler, which writes to the file descriptor of this object.
+_stack_dump_file = None
+
+
+def start_background_import() -> None:
+    """Import torch.distributed in a thread so it overlaps engine registration.
+
+    Run as the engine's startup command; a later ``import torch`` in the main thread
+    waits for this import instead of starting a second one.
+    """
+    threading.Thread(target=__import__, args=("torch.distributed",), daemon=True).start()
+
+
+@dataclass(frozen=True)
+class EngineProbe:
+    """What an engine reports about itself before ranks are assigned."""
+
+    host: str
+    pid: int
+    gpu_count: int
+    free_port: int
+
+
+def probe_engine() -> EngineProbe:
+    import torch
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        free_port = sock.getsockname()[1]
+    return EngineProbe(
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        gpu_count=torch.cuda.device_count(),
+        free_port=free_port,
+    )
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """Everything one engine needs to become one rank."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    backend: str
+    device: str
+    timeout_s: float
+    stack_dump_path: str
+
+
+def setup_rank(setup: RankSetup) -> str:
+    """Join the process group and define rank, world_size, ... in the user namespace.
+
+    Returns the rank's device as a string.
+    """
+    global _stack_dump_file
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from IPython import get_ipython
+
+    os.environ.update(
+        RANK=str(setup.rank),
+        LOCAL_RANK=str(setup.local_rank),
+        WORLD_SIZE=str(setup.world_size),
+        MASTER_ADDR=setup.master_addr,
+        MASTER_PORT=str(setup.master_port),
+    )
+    # Figures made on a rank are sent back as images, like in a notebook kernel.
+    os.environ.setdefault("MPLBACKEND", INLINE_BACKEND)
+
+    # Append mode: the notebook reads each dump from the offset it saw before signalling.
+    _stack_dump_file = open(setup.stack_dump_path, "a")  # noqa: SIM115 (lives as long as the engine)
+    faulthandler.register(STACK_DUMP_SIGNAL, file=_stack_dump_file, all_threads=True)
+
+    device = torch.device(setup.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend=setup.backend,
+        init_method="env://",
+        rank=setup.rank,
+        world_size=setup.world_size,
+        timeout=timedelta(seconds=setup.timeout_s),
+    )
+    get_ipython().user_ns.update(
+        rank=setup.rank,
+        world_size=setup.world_size,
+        local_rank=setup.local_rank,
+        device=device,
+        dist=dist,
+        torch=torch,
+    )
+    return str(device)
