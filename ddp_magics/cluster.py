@@ -174,9 +174,7 @@ class RankCluster:
         self.backend = resolve_backend(self.requested_backend, gpus)
         if self.backend == "nccl" and not all(gpus):
             missing = [rank for rank, has_gpu in enumerate(gpus) if not has_gpu]
-            raise ClusterError(
-                f"nccl needs a GPU for every rank; ranks {_format_ranks(missing)} have none"
-            )
+            raise ClusterError(f"nccl needs a GPU for every rank; ranks {_format_ranks(missing)} have none")
         master_addr = LOCAL_HOST if len(set(hosts)) == 1 else hosts[0]
         stacks_dir = self.workdir / "stacks"
         stacks_dir.mkdir()
@@ -189,9 +187,7 @@ class RankCluster:
                 local_rank=local_rank,
                 device=f"cuda:{local_rank}" if self.backend == "nccl" else "cpu",
             )
-            for rank, (engine_id, probe, local_rank) in enumerate(
-                zip(engine_ids, probes, local_ranks)
-            )
+            for rank, (engine_id, probe, local_rank) in enumerate(zip(engine_ids, probes, local_ranks))
         ]
         progress(f"forming the {self.backend} process group")
         pending = [
@@ -280,9 +276,7 @@ class RankCluster:
         """Python stacks of every thread of ``ranks``, even while they block in C code."""
         paths = {rank: self.stack_dump_path(rank) for rank in ranks}
         offsets = {rank: _file_size(path) for rank, path in paths.items()}
-        self._client.send_signal(
-            rank_code.STACK_DUMP_SIGNAL, targets=self.engine_ids(ranks), block=True
-        )
+        self._client.send_signal(rank_code.STACK_DUMP_SIGNAL, targets=self.engine_ids(ranks), block=True)
         dumps: dict[int, str] = {}
         deadline = time.monotonic() + wait
         while len(dumps) < len(ranks) and time.monotonic() < deadline:

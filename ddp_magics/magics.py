@@ -1,0 +1,409 @@
+"""The magics: %dist_start, %%distributed, %dist_status, %dist_push, %dist_pull,
+%dist_restart and %dist_stop. They turn the user's words into RankCluster calls."""
+
+from __future__ import annotations
+
+import atexit
+import html
+import time
+from dataclasses import dataclass
+
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.display import display
+from traitlets import Bool, Enum, Float, Integer, Unicode
+
+from ddp_magics import cluster as cluster_module
+from ddp_magics.cluster import BACKENDS, ClusterError, RankCluster
+from ddp_magics.errors import (
+    RESTART_ADVICE,
+    BlockedRank,
+    DistributedCellError,
+    failure_from_remote_error,
+    format_ranks,
+    rank_label,
+    usage_error,
+)
+from ddp_magics.output import RankOutput, StatusTable, render, tail
+from ddp_magics.widgets import LiveView
+
+POLL_SECONDS = 0.1
+LIVE_REFRESH_SECONDS = 0.5
+LIVE_TAIL_LINES = 12
+ENDED_DONE, ENDED_TIMEOUT, ENDED_AFTER_ERROR, ENDED_INTERRUPT = "done", "timeout", "error", "interrupt"
+
+
+def parse_rank_spec(spec: str, world_size: int) -> list[int]:
+    """``0``, ``0,2``, ``1-3`` or a mix like ``0,2-3`` -> sorted ranks; UsageError if invalid."""
+    ranks: set[int] = set()
+    for part in spec.split(","):
+        first, _, last = part.strip().partition("-")
+        try:
+            low = int(first)
+            high = int(last) if last else low
+        except ValueError:
+            raise usage_error(f"--ranks {spec!r}: expected ranks like 0, 0,2 or 1-3") from None
+        if low > high:
+            raise usage_error(f"--ranks {spec!r}: {low}-{high} is an empty range")
+        ranks.update(range(low, high + 1))
+    missing = sorted(rank for rank in ranks if not 0 <= rank < world_size)
+    if missing:
+        raise usage_error(
+            f"--ranks {spec!r}: {rank_label(missing)} does not exist; "
+            f"this cluster has ranks {format_ranks(list(range(world_size)))}"
+        )
+    return sorted(ranks)
+
+
+@dataclass
+class CellRun:
+    """One %%distributed cell in flight: which rank each message went to."""
+
+    async_result: object
+    ranks: list[int]
+    cell: str
+
+    def metadata(self) -> dict[int, dict]:
+        """Per rank: status, error, stdout, stderr, outputs and result received so far."""
+        metadata = self.async_result.metadata
+        return dict(zip(self.ranks, metadata if isinstance(metadata, list) else [metadata]))
+
+    def pending_ranks(self) -> list[int]:
+        return [rank for rank, md in self.metadata().items() if md["status"] is None]
+
+    def errors(self) -> dict[int, BaseException]:
+        """The exception each failed rank answered with (RemoteError, or EngineError if it died)."""
+        return {rank: md["error"] for rank, md in self.metadata().items() if md["status"] == "error"}
+
+
+@magics_class
+class DistributedMagics(Magics):
+    """Run cells on the ranks of a torch.distributed process group."""
+
+    default_world_size = Integer(
+        None,
+        allow_none=True,
+        config=True,
+        help="Ranks %dist_start starts without -n (default: visible GPUs, else 2).",
+    )
+    backend = Enum(BACKENDS, "auto", config=True, help="Backend %dist_start uses without --backend.")
+    cell_timeout = Float(
+        60.0, config=True, help="Seconds a %%distributed cell may run before its ranks are reported."
+    )
+    process_group_timeout = Float(
+        1800.0, config=True, help="torch.distributed timeout for collectives (seconds)."
+    )
+    error_grace = Float(
+        5.0,
+        config=True,
+        help="After a rank raises, seconds to wait for the other ranks before reporting where they are.",
+    )
+    interrupt_grace = Float(
+        3.0, config=True, help="Seconds interrupted ranks get to stop before being reported."
+    )
+    collapse_identical = Bool(
+        True, config=True, help="Show ranks with identical output as one block ([ranks 0-3])."
+    )
+    max_output_lines = Integer(
+        200, config=True, help="Lines kept per rank and stream; earlier ones are counted, not shown."
+    )
+    live_view_after = Float(
+        1.0, config=True, help="Seconds after which a running cell shows its ranks' progress."
+    )
+    heartbeat_ms = Integer(250, config=True, help="ipyparallel heartbeat period (ms).")
+    engine_launcher = Unicode(
+        "local", config=True, help="ipyparallel engine launcher: local, mpi, ssh, slurm, ..."
+    )
+
+    def __init__(self, shell=None, **kwargs) -> None:
+        super().__init__(shell=shell, **kwargs)
+        self.cluster: RankCluster | None = None
+        self._unfinished: CellRun | None = None
+        self._last_config: dict | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    @magic_arguments()
+    @argument("-n", type=int, default=None, help="number of ranks (default: GPUs, else 2)")
+    @argument("--backend", choices=BACKENDS, default=None, help="process group backend")
+    @argument("--timeout", type=float, default=None, help="torch.distributed timeout in seconds")
+    @line_magic
+    def dist_start(self, line: str) -> None:
+        """Start a cluster whose engines are the ranks of one process group."""
+        args = parse_argstring(self.dist_start, line)
+        if self.cluster is not None:
+            print(
+                f"A cluster of {self.cluster.n} ranks ({self.cluster.backend}) is already "
+                "running; use %dist_restart for new engines or %dist_stop first."
+            )
+            return
+        backend = args.backend or self.backend
+        gpus = cluster_module.visible_gpu_count() if self.engine_launcher == "local" else None
+        world_size = args.n if args.n is not None else self.default_world_size
+        if world_size is None:
+            world_size = gpus or 2
+        if world_size < 1:
+            raise usage_error(f"-n {world_size}: a cluster needs at least 1 rank")
+        if backend == "nccl" and gpus is not None and gpus < world_size:
+            raise usage_error(
+                f"--backend nccl needs one GPU per rank: {world_size} ranks, {gpus} GPUs visible"
+            )
+        timeout = args.timeout if args.timeout is not None else self.process_group_timeout
+        if timeout <= 0:
+            raise usage_error(f"--timeout {timeout:g}: must be more than 0 seconds")
+        self.report_strays()
+        self._last_config = dict(n=world_size, backend=backend, pg_timeout=timeout)
+        self._start(
+            RankCluster(
+                world_size,
+                backend=backend,
+                pg_timeout=timeout,
+                heartbeat_ms=self.heartbeat_ms,
+                engine_launcher=self.engine_launcher,
+            )
+        )
+
+    def _start(self, cluster: RankCluster) -> None:
+        live = LiveView(self._in_kernel())
+        steps: list[str] = []
+
+        def progress(message: str) -> None:
+            steps.append(message)
+            live.update("<br>".join(html.escape(step) for step in steps) + " …")
+
+        try:
+            cluster.start(progress)
+        except ClusterError as error:
+            raise usage_error(f"%dist_start failed: {error}") from None
+        finally:
+            live.close()
+        self.cluster = cluster
+        self._unfinished = None
+        atexit.register(cluster.stop)
+        print(self._summary())
+
+    def _summary(self) -> str:
+        devices = [info.device for info in self.cluster.ranks]
+        same = len(set(devices)) == 1
+        device_text = f"{devices[0]} x{len(devices)}" if same else ", ".join(devices)
+        return (
+            f"{self.cluster.n} ranks ready: backend {self.cluster.backend}, "
+            f"world size {self.cluster.n}, devices {device_text}"
+        )
+
+    @line_magic
+    def dist_stop(self, line: str) -> None:
+        """Stop the cluster: controller, engines and their files."""
+        if line.strip():
+            raise usage_error(f"%dist_stop takes no arguments, got {line.strip()!r}")
+        if self.cluster is None:
+            print("No cluster is running.")
+            return
+        world_size = self.cluster.n
+        self._stop_cluster()
+        print(f"Stopped {world_size} ranks.")
+
+    def _stop_cluster(self) -> None:
+        cluster, self.cluster = self.cluster, None
+        self._unfinished = None
+        if cluster is not None:
+            cluster.stop()
+            atexit.unregister(cluster.stop)
+
+    @line_magic
+    def dist_restart(self, line: str) -> None:
+        """New engines with the same world size, backend and rank -> device mapping."""
+        if line.strip():
+            raise usage_error(f"%dist_restart takes no arguments, got {line.strip()!r}")
+        if self.cluster is None and self._last_config is None:
+            raise usage_error("No cluster to restart: start one with %dist_start")
+        if self.cluster is not None:
+            self._last_config["backend"] = self.cluster.backend
+        self._stop_cluster()
+        self._start(
+            RankCluster(
+                heartbeat_ms=self.heartbeat_ms,
+                engine_launcher=self.engine_launcher,
+                **self._last_config,
+            )
+        )
+
+    def report_strays(self) -> None:
+        stopped = cluster_module.stop_stray_clusters()
+        if stopped:
+            print(
+                f"Stopped {len(stopped)} cluster(s) left running by a kernel that exited "
+                "without stopping them."
+            )
+
+    # -------------------------------------------------------------------- running
+    @magic_arguments()
+    @argument("--ranks", default=None, help="ranks to run on, e.g. 0 or 0,2 or 1-3 (default: all)")
+    @argument("--timeout", type=float, default=None, help="seconds before a hang is reported")
+    @cell_magic
+    def distributed(self, line: str, cell: str) -> None:
+        """Run the cell on every rank (or --ranks) and show the output in rank order."""
+        args = parse_argstring(self.distributed, line)
+        cluster = self._ready_cluster()
+        ranks = parse_rank_spec(args.ranks, cluster.n) if args.ranks else list(range(cluster.n))
+        timeout = args.timeout if args.timeout is not None else self.cell_timeout
+        if timeout <= 0:
+            raise usage_error(f"--timeout {timeout:g}: must be more than 0 seconds")
+        run = CellRun(cluster.execute(cell, ranks), ranks, cell)
+        ended = self._wait(run, timeout)
+        self._finish(run, timeout if ended == ENDED_TIMEOUT else None, ended == ENDED_INTERRUPT)
+
+    def _ready_cluster(self) -> RankCluster:
+        """The running cluster, if every rank can take a new cell."""
+        if self.cluster is None:
+            raise usage_error("No cluster is running: start one with %dist_start")
+        dead = self.cluster.dead_ranks()
+        if dead:
+            raise usage_error(f"{rank_label(dead)} died (engine process gone). {RESTART_ADVICE}")
+        if self._unfinished is not None:
+            busy = self._unfinished.pending_ranks()
+            if busy:
+                raise usage_error(f"{rank_label(busy)} still running an earlier cell. {RESTART_ADVICE}")
+            self._unfinished = None
+        return self.cluster
+
+    def _wait(self, run: CellRun, timeout: float) -> str:
+        """Wait for the ranks; returns why the wait ended (one of the ``ENDED_*``)."""
+        live = LiveView(self._in_kernel())
+        started = time.monotonic()
+        failed_since = None
+        last_refresh = 0.0
+        try:
+            while not run.async_result.wait(POLL_SECONDS):
+                now = time.monotonic()
+                if failed_since is None and run.errors():
+                    failed_since = now
+                if failed_since is not None and now - failed_since > self.error_grace:
+                    return ENDED_AFTER_ERROR
+                if now - started > timeout:
+                    return ENDED_TIMEOUT
+                if now - started > self.live_view_after and now - last_refresh > LIVE_REFRESH_SECONDS:
+                    live.update(self._live_html(run, now - started))
+                    last_refresh = now
+            return ENDED_DONE
+        except KeyboardInterrupt:
+            pending = run.pending_ranks()
+            if pending:
+                self.cluster.interrupt(pending)
+            run.async_result.wait(self.interrupt_grace)
+            return ENDED_INTERRUPT
+        finally:
+            live.close()
+
+    def _collect(self, run: CellRun) -> list[RankOutput]:
+        outputs = []
+        for rank, md in run.metadata().items():
+            result = md.get("execute_result")
+            outputs.append(
+                RankOutput(
+                    rank=rank,
+                    stdout=md.get("stdout", ""),
+                    stderr=md.get("stderr", ""),
+                    result=result["data"] if result else None,
+                    displays=[
+                        {"data": out["data"], "metadata": out.get("metadata", {})}
+                        for out in md.get("outputs", [])
+                    ],
+                )
+            )
+        return outputs
+
+    def _finish(self, run: CellRun, timed_out_after: float | None, interrupted: bool) -> None:
+        pending = run.pending_ranks()
+        if not pending:
+            # Replies can come before the last output; wait for the output of finished ranks.
+            run.async_result.wait_for_output(timeout=5)
+        for item in render(self._collect(run), self.collapse_identical, self.max_output_lines):
+            if isinstance(item, dict):
+                display(item["data"], metadata=item["metadata"], raw=True)
+            else:
+                display(item)
+        dead = [rank for rank in self.cluster.dead_ranks() if rank in run.ranks]
+        failures = [
+            failure_from_remote_error(rank, error)
+            for rank, error in run.errors().items()
+            if rank not in dead
+        ]
+        if not (pending or failures or dead):
+            return
+        alive_pending = [rank for rank in pending if rank not in dead]
+        dumps = self.cluster.dump_stacks(alive_pending) if alive_pending else {}
+        blocked = [BlockedRank.from_dump(rank, dumps.get(rank), run.cell) for rank in alive_pending]
+        if alive_pending:
+            self._unfinished = run
+        failed_or_dead = {failure.rank for failure in failures} | set(dead)
+        raise DistributedCellError(
+            failures=failures,
+            blocked=blocked,
+            finished=[r for r in run.ranks if r not in pending and r not in failed_or_dead],
+            dead=dead,
+            timeout=timed_out_after,
+            interrupted=interrupted,
+            usable=not (alive_pending or dead),
+        )
+
+    def _live_html(self, run: CellRun, elapsed: float) -> str:
+        pending = set(run.pending_ranks())
+        columns = []
+        for output in self._collect(run):
+            state = "running" if output.rank in pending else "finished"
+            text = tail(output.stdout + output.stderr, LIVE_TAIL_LINES)
+            columns.append(
+                '<div style="flex:1 1 0;min-width:12em">'
+                f"<b>[rank {output.rank}]</b> {state}<pre>{html.escape(text)}</pre></div>"
+            )
+        finished = [rank for rank in run.ranks if rank not in pending]
+        header = (
+            f"running for {elapsed:.0f} s; finished: {format_ranks(finished) or 'none'}; "
+            f"running: {format_ranks(sorted(pending)) or 'none'}"
+        )
+        return f'<div>{header}</div><div style="display:flex;gap:1em">{"".join(columns)}</div>'
+
+    # ----------------------------------------------------------------- inspecting
+    @line_magic
+    def dist_status(self, line: str) -> StatusTable:
+        """Ranks, hosts, PIDs, devices, backend and whether each rank is alive."""
+        if line.strip():
+            raise usage_error(f"%dist_status takes no arguments, got {line.strip()!r}")
+        if self.cluster is None:
+            raise usage_error("No cluster is running: start one with %dist_start")
+        busy = self._unfinished.pending_ranks() if self._unfinished else []
+        return StatusTable(self.cluster.backend, self.cluster.status(), busy)
+
+    @line_magic
+    def dist_push(self, line: str) -> None:
+        """Copy notebook variables to every rank: %dist_push NAME [NAME ...]."""
+        names = line.split()
+        if not names:
+            raise usage_error("%dist_push needs at least one variable name")
+        missing = [name for name in names if name not in self.shell.user_ns]
+        if missing:
+            raise usage_error(f"%dist_push: not defined in the notebook: {', '.join(missing)}")
+        cluster = self._ready_cluster()
+        cluster.push({name: self.shell.user_ns[name] for name in names})
+
+    @line_magic
+    def dist_pull(self, line: str) -> dict:
+        """``x = %dist_pull NAME`` returns ``{rank: value}``."""
+        names = line.split()
+        if len(names) != 1:
+            raise usage_error("%dist_pull takes exactly one variable name")
+        cluster = self._ready_cluster()
+        try:
+            return cluster.pull(names[0])
+        except Exception as error:
+            if getattr(error, "ename", None) == "NameError" or "NameError" in str(error):
+                raise usage_error(f"%dist_pull: {names[0]!r} is not defined on every rank") from None
+            raise
+
+    # --------------------------------------------------------------------- helpers
+    def _in_kernel(self) -> bool:
+        return getattr(self.shell, "kernel", None) is not None
+
+    def shutdown(self) -> None:
+        """Stop the cluster (used by %unload_ext)."""
+        self._stop_cluster()

@@ -1,0 +1,180 @@
+"""Rank-ordered rendering of what each rank printed, displayed and returned.
+
+The text form (what nbval compares) is one block per rank headed ``[rank N]``; ranks whose
+whole output is identical share one block headed ``[ranks 0-3]`` or ``[ranks 0,2]``.
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass, field
+
+from ddp_magics.errors import rank_label
+
+TEXT_ONLY_MIMETYPES = {"text/plain"}
+
+
+@dataclass
+class RankOutput:
+    """Everything one rank produced in one cell, as plain data."""
+
+    rank: int
+    stdout: str = ""
+    stderr: str = ""
+    result: dict | None = None  # the last expression's mimebundle
+    displays: list[dict] = field(default_factory=list)  # {"data": ..., "metadata": ...}
+
+    @property
+    def rich_displays(self) -> list[dict]:
+        """Displays, plus a last-expression value that is more than text (e.g. a figure)."""
+        if self.result and set(self.result) - TEXT_ONLY_MIMETYPES:
+            return [*self.displays, {"data": self.result, "metadata": {}}]
+        return self.displays
+
+    @property
+    def result_text(self) -> str:
+        if self.result and not set(self.result) - TEXT_ONLY_MIMETYPES:
+            return self.result.get("text/plain", "")
+        return ""
+
+    def is_empty(self) -> bool:
+        return not (self.stdout or self.stderr or self.result or self.displays)
+
+    def signature(self) -> tuple:
+        """Equal signatures mean the ranks' outputs can share one block."""
+        displays = tuple(
+            tuple(sorted((key, str(value)) for key, value in item["data"].items()))
+            for item in self.rich_displays
+        )
+        return (self.stdout, self.stderr, self.result_text, displays)
+
+
+def tail(text: str, max_lines: int) -> str:
+    """The last ``max_lines`` lines of ``text``, with a note of how many were dropped."""
+    lines = text.splitlines(keepends=True)
+    if len(lines) <= max_lines:
+        return text
+    dropped = len(lines) - max_lines
+    return f"... {dropped} earlier lines not shown ...\n" + "".join(lines[-max_lines:])
+
+
+@dataclass(frozen=True)
+class RankBlock:
+    ranks: list[int]
+    stdout: str
+    stderr: str
+    result_text: str
+
+    @property
+    def header(self) -> str:
+        return f"[{rank_label(self.ranks)}]"
+
+    def text(self) -> str:
+        body = "".join(
+            part if part.endswith("\n") else part + "\n"
+            for part in (self.stdout, self.stderr, self.result_text)
+            if part
+        )
+        return f"{self.header}\n{body}"
+
+
+class RankBlocks:
+    """Blocks of rank output; text for nbval and terminals, columns in JupyterLab."""
+
+    def __init__(self, blocks: list[RankBlock]) -> None:
+        self.blocks = blocks
+
+    def __repr__(self) -> str:
+        return "".join(block.text() for block in self.blocks).rstrip("\n")
+
+    def _repr_pretty_(self, printer, cycle: bool) -> None:
+        printer.text(repr(self))
+
+    def _repr_html_(self) -> str:
+        columns = []
+        for block in self.blocks:
+            parts = [f'<div class="ddp-rank-header"><b>{html.escape(block.header)}</b></div>']
+            if block.stdout:
+                parts.append(f"<pre>{html.escape(block.stdout)}</pre>")
+            if block.stderr:
+                parts.append(f'<pre style="background:#fdd">{html.escape(block.stderr)}</pre>')
+            if block.result_text:
+                parts.append(f"<pre>{html.escape(block.result_text)}</pre>")
+            columns.append(
+                '<div style="flex:1 1 0;min-width:12em;overflow-x:auto">' + "".join(parts) + "</div>"
+            )
+        return '<div style="display:flex;gap:1em">' + "".join(columns) + "</div>"
+
+
+def group_outputs(outputs: list[RankOutput], collapse: bool) -> list[tuple[list[int], RankOutput]]:
+    """Ranks with output, in rank order; identical outputs share a group when ``collapse``."""
+    groups: dict[object, tuple[list[int], RankOutput]] = {}
+    for output in sorted(outputs, key=lambda output: output.rank):
+        if output.is_empty():
+            continue
+        key = output.signature() if collapse else output.rank
+        groups.setdefault(key, ([], output))[0].append(output.rank)
+    return list(groups.values())
+
+
+def render(outputs: list[RankOutput], collapse: bool = True, max_lines: int = 200) -> list:
+    """Objects to display, in order: rank blocks, each followed by that rank's rich displays.
+
+    Rich displays come back as raw mimebundles ``{"data": ..., "metadata": ...}``.
+    """
+    groups = group_outputs(outputs, collapse)
+
+    def block(ranks: list[int], output: RankOutput) -> RankBlock:
+        return RankBlock(
+            ranks=ranks,
+            stdout=tail(output.stdout, max_lines),
+            stderr=tail(output.stderr, max_lines),
+            result_text=output.result_text,
+        )
+
+    if not any(output.rich_displays for _, output in groups):
+        return [RankBlocks([block(ranks, output) for ranks, output in groups])] if groups else []
+    rendered: list = []
+    for ranks, output in groups:
+        rendered.append(RankBlocks([block(ranks, output)]))
+        rendered.extend(output.rich_displays)
+    return rendered
+
+
+class StatusTable:
+    """%dist_status: one row per rank."""
+
+    columns = ("rank", "host", "pid", "device", "state")
+
+    def __init__(self, backend: str, statuses: list, busy: list[int]) -> None:
+        self.backend = backend
+        self.rows = [
+            (
+                str(status.info.rank),
+                status.info.host,
+                str(status.info.pid),
+                status.info.device,
+                "dead" if not status.alive else "busy" if status.info.rank in busy else "alive",
+            )
+            for status in statuses
+        ]
+
+    def __repr__(self) -> str:
+        widths = [max(len(row[i]) for row in [self.columns, *self.rows]) for i in range(5)]
+        lines = [f"backend {self.backend}, world size {len(self.rows)}"]
+        for row in [self.columns, *self.rows]:
+            lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+        return "\n".join(lines)
+
+    def _repr_pretty_(self, printer, cycle: bool) -> None:
+        printer.text(repr(self))
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{column}</th>" for column in self.columns)
+        body = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>" for row in self.rows
+        )
+        return (
+            f"<p>backend {html.escape(self.backend)}, world size {len(self.rows)}</p>"
+            f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+        )
