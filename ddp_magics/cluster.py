@@ -226,12 +226,11 @@ class RankCluster:
         self.ranks = []
         self._stack_offsets = {}
 
-    def restart(self, progress: Progress | None = None) -> None:
-        """New engines, same world size, backend and rank -> device mapping."""
-        backend = self.backend or self.requested_backend
-        self.stop()
-        self.requested_backend = backend
-        self.start(progress)
+    def processes(self) -> list[psutil.Process]:
+        """Controller, engines and their helper processes (nannies, schedulers) now running."""
+        if self._cluster is None:
+            return []
+        return _processes_with_children(_cluster_pids(Path(self._cluster.cluster_file)))
 
     # ------------------------------------------------------------------- state
     def engine_ids(self, ranks: Iterable[int] | None = None) -> list[int]:

@@ -174,8 +174,13 @@ class DistributedCellError(Exception):
     def _render_traceback_(self) -> list[str]:
         lines = [f"{type(self).__name__}: {self.summary()}"]
         for failure in self.failures:
-            lines.append(f"[rank {failure.rank}] {failure.ename}: {failure.evalue}")
-            lines.extend("    " + line for line in failure.traceback.rstrip().splitlines())
+            traceback = _without_rule(failure.traceback.rstrip().splitlines())
+            lines.append(
+                f"[rank {failure.rank}]"
+                if traceback
+                else f"[rank {failure.rank}] {failure.ename}: {failure.evalue}"
+            )
+            lines.extend("    " + line for line in traceback)
         for rank in self.dead:
             lines.append(f"[rank {rank}] its engine process died")
         for blocked in self.blocked:
@@ -186,6 +191,16 @@ class DistributedCellError(Exception):
         if not self.usable:
             lines.append(RESTART_ADVICE)
         return lines
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _without_rule(lines: list[str]) -> list[str]:
+    """Drop the ``-----`` line IPython puts above a traceback."""
+    if lines and set(_ANSI.sub("", lines[0]).strip()) == {"-"}:
+        return lines[1:]
+    return lines
 
 
 def failure_from_remote_error(rank: int, error: BaseException) -> RankFailure:

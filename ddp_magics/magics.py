@@ -324,9 +324,7 @@ class DistributedMagics(Magics):
                 display(item)
         dead = [rank for rank in self.cluster.dead_ranks() if rank in run.ranks]
         failures = [
-            failure_from_remote_error(rank, error)
-            for rank, error in run.errors().items()
-            if rank not in dead
+            failure_from_remote_error(rank, error) for rank, error in run.errors().items() if rank not in dead
         ]
         if not (pending or failures or dead):
             return

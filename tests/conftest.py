@@ -1,0 +1,63 @@
+"""Fixtures: one IPython shell with the extension loaded, and a real 2-rank gloo cluster."""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+from IPython.testing.globalipapp import start_ipython
+from IPython.utils.capture import capture_output
+
+from ddp_magics.magics import DistributedMagics
+
+
+@pytest.fixture(scope="session")
+def ip():
+    shell = start_ipython()
+    shell.run_line_magic("load_ext", "ddp_magics")
+    yield shell
+    shell.run_line_magic("unload_ext", "ddp_magics")
+
+
+@pytest.fixture(scope="session")
+def magics(ip) -> DistributedMagics:
+    return next(m for m in ip.configurables if isinstance(m, DistributedMagics))
+
+
+@pytest.fixture(scope="module")
+def cluster(ip, magics):
+    """A running 2-rank gloo cluster, stopped (and checked gone) after the module."""
+    with capture_output():
+        ip.run_line_magic("dist_start", "-n 2 --backend gloo")
+    yield magics
+    processes = magics.cluster.processes() if magics.cluster else []
+    with capture_output():
+        ip.run_line_magic("dist_stop", "")
+    assert_gone(processes)
+
+
+@pytest.fixture
+def healthy(ip, cluster):
+    """The module's cluster, restarted after a test that left ranks stuck or dead."""
+    yield cluster
+    if cluster.cluster is None or cluster.cluster.dead_ranks() or cluster._unfinished is not None:
+        with capture_output():
+            ip.run_line_magic("dist_restart", "")
+
+
+def assert_gone(processes: list[psutil.Process], timeout: float = 15) -> None:
+    """Every process in the list has exited (checked by PID and start time)."""
+    _, alive = psutil.wait_procs(processes, timeout=timeout)
+    assert not alive, f"still running: {[(p.pid, p.cmdline()) for p in alive]}"
+
+
+def run_cell(ip, line: str, cell: str):
+    """Run ``%%distributed line`` + cell; returns (captured output, exception or None)."""
+    with capture_output() as captured:
+        result = ip.run_cell(f"%%distributed {line}\n{cell}")
+    return captured, result.error_in_exec or result.error_before_exec
+
+
+def shown_text(captured) -> str:
+    """The text/plain of everything displayed, joined as nbval would see it."""
+    texts = [output.data.get("text/plain", "") for output in captured.outputs]
+    return "\n".join(texts)
