@@ -11,8 +11,7 @@ def load_ipython_extension(ipython) -> None:
     from ddp_magics.magics import DistributedMagics
 
     magics = DistributedMagics(shell=ipython)
-    ipython.register_magics(magics)
-    ipython.configurables.append(magics)
+    ipython.register_magics(magics)  # Magics(shell=...) already joined shell.configurables
     magics.report_strays()
 
 
@@ -21,7 +20,8 @@ def unload_ipython_extension(ipython) -> None:
 
     for magics in [m for m in ipython.configurables if isinstance(m, DistributedMagics)]:
         magics.shutdown()
-        ipython.configurables.remove(magics)
+        while magics in ipython.configurables:
+            ipython.configurables.remove(magics)
         for kind, names in magics.magics.items():
             for name in names:
                 ipython.magics_manager.magics[kind].pop(name, None)

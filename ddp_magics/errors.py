@@ -160,7 +160,10 @@ class DistributedCellError(Exception):
         for failure in self.failures:
             by_error.setdefault((failure.ename, failure.evalue), []).append(failure.rank)
         for (ename, evalue), ranks in by_error.items():
-            verb = "was interrupted" if ename == "KeyboardInterrupt" else f"raised {ename}"
+            if ename == "KeyboardInterrupt":
+                verb = "was interrupted" if len(ranks) == 1 else "were interrupted"
+            else:
+                verb = f"raised {ename}"
             parts.append(f"{rank_label(ranks)} {verb}" + (f": {evalue}" if evalue else ""))
         if self.dead:
             parts.append(f"{rank_label(self.dead)} died")

@@ -1,0 +1,107 @@
+"""Hangs, a rank raising before a collective, killed engines, interrupts, bad input."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import psutil
+from IPython.core.error import UsageError
+from IPython.utils.capture import capture_output
+
+from ddp_magics.errors import DistributedCellError
+from tests.conftest import run_cell, shown_text
+
+RECV_NEVER_SENT = """\
+t = torch.zeros(2)
+print('waiting', rank)
+if rank == 0:
+    dist.recv(t, src=1)
+"""
+
+
+def test_hang_is_reported_with_line_and_call_then_restart_recovers(ip, healthy):
+    captured, error = run_cell(ip, "--timeout 3", RECV_NEVER_SENT)
+    assert isinstance(error, DistributedCellError)
+    assert str(error) == "rank 0 still running after 3 s (rank 0 in recv at cell line 4)"
+    assert shown_text(captured) == "[rank 0]\nwaiting 0\n[rank 1]\nwaiting 1"
+    report = error._render_traceback_()
+    assert "[rank 0] still running, in recv at cell line 4" in report
+    assert "    line 4: dist.recv(t, src=1)" in report
+    assert "[rank 1] finished" in report
+    assert report[-1].startswith("Run %dist_restart")
+
+    # The stuck rank is not handed another cell behind the hung one.
+    _, error = run_cell(ip, "", "print('queued?')")
+    assert isinstance(error, UsageError)
+    assert "rank 0 still running an earlier cell" in str(error)
+    assert "busy" in repr(ip.run_line_magic("dist_status", ""))
+
+    with capture_output():
+        ip.run_line_magic("dist_restart", "")
+    captured, error = run_cell(ip, "", "t = torch.tensor([rank + 1.0])\ndist.all_reduce(t)\nt.item()")
+    assert error is None
+    assert shown_text(captured) == "[ranks 0,1]\n3.0"
+
+
+def test_raise_before_collective_names_the_stuck_rank(ip, healthy, magics):
+    magics.error_grace = 1.0
+    try:
+        _, error = run_cell(
+            ip,
+            "",
+            "t = torch.ones(1)\nif rank == 0:\n    raise RuntimeError('rank 0 gave up')\ndist.all_reduce(t)",
+        )
+    finally:
+        magics.error_grace = 5.0
+    assert isinstance(error, DistributedCellError)
+    assert str(error) == (
+        "rank 0 raised RuntimeError: rank 0 gave up; "
+        "rank 1 still running (rank 1 in all_reduce at cell line 4)"
+    )
+    report = "\n".join(error._render_traceback_())
+    assert "rank 0 gave up" in report
+    assert "    line 4: dist.all_reduce(t)" in report
+    with capture_output():
+        ip.run_line_magic("dist_restart", "")
+    _, error = run_cell(ip, "", "dist.barrier()")
+    assert error is None
+
+
+def test_killed_engine_is_named_and_restart_brings_it_back(ip, healthy):
+    victim = healthy.cluster.ranks[1]
+    os.kill(victim.pid, signal.SIGKILL)
+    psutil.Process(victim.pid).wait(timeout=10) if psutil.pid_exists(victim.pid) else None
+
+    _, error = run_cell(ip, "", "print('hello')")
+    assert isinstance(error, UsageError)
+    assert "rank 1 died" in str(error)
+    table = ip.run_line_magic("dist_status", "")
+    assert [row[4] for row in table.rows] == ["alive", "dead"]
+
+    with capture_output():
+        ip.run_line_magic("dist_restart", "")
+    new_pid = healthy.cluster.ranks[1].pid
+    assert new_pid != victim.pid
+    captured, error = run_cell(ip, "", "dist.barrier()\nprint(rank)")
+    assert error is None
+    assert shown_text(captured) == "[rank 0]\n0\n[rank 1]\n1"
+
+
+def test_interrupt_stops_the_ranks_and_keeps_the_cluster(ip, healthy):
+    timer = threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        captured, error = run_cell(
+            ip, "", "import time\nprint('start', rank)\nwhile True:\n    time.sleep(0.01)"
+        )
+    finally:
+        timer.cancel()
+    assert isinstance(error, DistributedCellError)
+    assert str(error) == "ranks 0,1 were interrupted"
+    assert error.usable
+    assert shown_text(captured) == "[rank 0]\nstart 0\n[rank 1]\nstart 1"
+    captured, error = run_cell(ip, "", "print('after interrupt', rank)")
+    assert error is None
+    assert shown_text(captured) == "[rank 0]\nafter interrupt 0\n[rank 1]\nafter interrupt 1"

@@ -1,0 +1,41 @@
+"""User mistakes outside a running cluster: one-line UsageErrors, nothing started."""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+from IPython.core.error import UsageError
+
+from tests.conftest import run_cell
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("-n 0", "needs at least 1 rank"),
+        ("-n abc", "invalid int value"),
+        ("--backend nccl", "nccl needs one GPU per rank"),
+        ("--backend mpi", "invalid choice"),
+        ("--timeout -1", "must be more than 0"),
+        ("--frobnicate", "unrecognized arguments"),
+    ],
+)
+def test_bad_start_arguments_start_nothing(ip, magics, line, message):
+    assert magics.cluster is None, "runs outside the cluster fixture"
+    children_before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(UsageError, match=message):
+        ip.run_line_magic("dist_start", line)
+    assert magics.cluster is None
+    children_after = {p.pid for p in psutil.Process().children(recursive=True)}
+    assert children_after <= children_before
+
+
+def test_cells_before_start_are_usage_errors(ip, magics):
+    assert magics.cluster is None
+    _, error = run_cell(ip, "", "print(1)")
+    assert isinstance(error, UsageError)
+    assert "No cluster is running" in str(error)
+    with pytest.raises(UsageError, match="No cluster is running"):
+        ip.run_line_magic("dist_status", "")
+    with pytest.raises(UsageError, match="No cluster is running"):
+        ip.run_line_magic("dist_pull", "x")
