@@ -31,6 +31,10 @@ OWNER_FILE = "owner.json"
 LOCAL_HOST = "127.0.0.1"
 
 Progress = Callable[[str], None]
+# ipyparallel logs engines' output when they exit non-zero, as they do on SIGTERM at every stop;
+# their logs stay in the cluster's log folder while it runs. Only its errors reach the user.
+CLUSTER_LOG = logging.getLogger("ddp_magics.ipyparallel")
+CLUSTER_LOG.setLevel(logging.ERROR)
 
 
 class ClusterError(RuntimeError):
@@ -141,7 +145,7 @@ class RankCluster:
             delay=0,
             send_engines_connection_env=False,
             load_profile=False,
-            log_level=logging.WARNING,
+            log=CLUSTER_LOG,
             config=config,
         )
         progress(f"starting controller and {self.n} engines")
@@ -315,7 +319,7 @@ def stop_stray_clusters() -> list[str]:
         if _process_alive(owner["pid"], owner["create_time"]):
             continue
         for cluster_file in sorted((workdir / "profile" / "security").glob("cluster-*.json")):
-            cluster = ipp.Cluster.from_file(str(cluster_file), log_level=logging.WARNING)
+            cluster = ipp.Cluster.from_file(str(cluster_file), log=CLUSTER_LOG)
             processes = _processes_with_children(_cluster_pids(cluster_file))
             cluster.stop_cluster_sync()
             _wait_for_exit(processes)
