@@ -42,7 +42,7 @@ notebooks: install
 	$(PY) scripts/execute_notebooks.py
 
 bench: install
-	$(PY) benchmarks/cell_latency.py
+	-$(PY) benchmarks/cell_latency.py
 	$(PY) benchmarks/startup.py
 
 clean:
