@@ -110,7 +110,7 @@ class RankCluster:
         self.workdir: Path | None = None
         self._cluster: ipp.Cluster | None = None
         self._client: ipp.Client | None = None
-        self._stack_offsets: dict[int, int] = {}
+        self._views: dict[tuple[int, ...], ipp.DirectView] = {}
 
     # ---------------------------------------------------------------- lifecycle
     @property
@@ -228,7 +228,7 @@ class RankCluster:
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None
         self.ranks = []
-        self._stack_offsets = {}
+        self._views = {}
 
     def processes(self) -> list[psutil.Process]:
         """Controller, engines and their helper processes (nannies, schedulers) now running."""
@@ -259,7 +259,10 @@ class RankCluster:
     # ------------------------------------------------------------------- running
     def execute(self, code: str, ranks: list[int]) -> ipp.AsyncResult:
         """Start running ``code`` on ``ranks``; returns at once."""
-        return self._client[self.engine_ids(ranks)].execute(code, silent=False, block=False)
+        key = tuple(ranks)
+        if key not in self._views:
+            self._views[key] = self._client[self.engine_ids(ranks)]
+        return self._views[key].execute(code, silent=False, block=False)
 
     def push(self, namespace: dict) -> None:
         self._client[self.engine_ids()].push(namespace, block=True)
