@@ -291,7 +291,7 @@ class RankCluster:
                     continue
                 text = _read_from(path, offsets[rank])
                 # A dump is complete when the file stops growing after it began.
-                if text and text == _settled_read(path, offsets[rank], text):
+                if text and text == _read_after_pause(path, offsets[rank]):
                     dumps[rank] = text
             time.sleep(0.02)
         return dumps
@@ -382,7 +382,7 @@ def _read_from(path: Path, offset: int) -> str:
         return ""
 
 
-def _settled_read(path: Path, offset: int, previous: str) -> str:
+def _read_after_pause(path: Path, offset: int) -> str:
     time.sleep(0.05)
     return _read_from(path, offset)
 

@@ -71,8 +71,9 @@ def test_raise_before_collective_names_the_stuck_rank(ip, healthy, magics):
 
 def test_killed_engine_is_named_and_restart_brings_it_back(ip, healthy):
     victim = healthy.cluster.ranks[1]
+    engine = psutil.Process(victim.pid)
     os.kill(victim.pid, signal.SIGKILL)
-    psutil.Process(victim.pid).wait(timeout=10) if psutil.pid_exists(victim.pid) else None
+    engine.wait(timeout=10)
 
     _, error = run_cell(ip, "", "print('hello')")
     assert isinstance(error, UsageError)
