@@ -8,6 +8,7 @@ import html
 import time
 from dataclasses import dataclass
 
+from ipyparallel.error import CompositeError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
@@ -324,12 +325,14 @@ class DistributedMagics(Magics):
                 display(item["data"], metadata=item["metadata"], raw=True)
             else:
                 display(item)
+        errors = run.errors()
+        if not (pending or errors):
+            return
+        # A rank that died mid-cell answers with an EngineError; report it as dead, not as raising.
         dead = [rank for rank in self.cluster.dead_ranks() if rank in run.ranks]
         failures = [
-            failure_from_remote_error(rank, error) for rank, error in run.errors().items() if rank not in dead
+            failure_from_remote_error(rank, error) for rank, error in errors.items() if rank not in dead
         ]
-        if not (pending or failures or dead):
-            return
         alive_pending = [rank for rank in pending if rank not in dead]
         dumps = self.cluster.dump_stacks(alive_pending) if alive_pending else {}
         blocked = [BlockedRank.from_dump(rank, dumps.get(rank), run.cell) for rank in alive_pending]
@@ -395,8 +398,8 @@ class DistributedMagics(Magics):
         cluster = self._ready_cluster()
         try:
             return cluster.pull(names[0])
-        except Exception as error:
-            if getattr(error, "ename", None) == "NameError" or "NameError" in str(error):
+        except CompositeError as error:
+            if {ename for ename, *_ in error.elist} == {"NameError"}:
                 raise usage_error(f"%dist_pull: {names[0]!r} is not defined on every rank") from None
             raise
 
