@@ -24,6 +24,7 @@ import psutil
 from traitlets.config import Config
 
 from ddp_magics import rank as rank_code
+from ddp_magics import trace as trace_code
 
 BACKENDS = ("auto", "gloo", "nccl")
 CLUSTERS_ROOT = Path(tempfile.gettempdir()) / f"ddp_magics-{os.getuid()}"
@@ -180,8 +181,8 @@ class RankCluster:
             missing = [rank for rank, has_gpu in enumerate(gpus) if not has_gpu]
             raise ClusterError(f"nccl needs a GPU for every rank; ranks {_format_ranks(missing)} have none")
         master_addr = LOCAL_HOST if len(set(hosts)) == 1 else hosts[0]
-        stacks_dir = self.workdir / "stacks"
-        stacks_dir.mkdir()
+        (self.workdir / "stacks").mkdir()
+        self.trace_dir.mkdir()
         self.ranks = [
             RankInfo(
                 rank=rank,
@@ -257,12 +258,15 @@ class RankCluster:
         return [RankStatus(info=info, alive=info.rank not in dead) for info in self.ranks]
 
     # ------------------------------------------------------------------- running
-    def execute(self, code: str, ranks: list[int]) -> ipp.AsyncResult:
-        """Start running ``code`` on ``ranks``; returns at once."""
+    def _view(self, ranks: list[int]) -> ipp.DirectView:
         key = tuple(ranks)
         if key not in self._views:
             self._views[key] = self._client[self.engine_ids(ranks)]
-        return self._views[key].execute(code, silent=False, block=False)
+        return self._views[key]
+
+    def execute(self, code: str, ranks: list[int]) -> ipp.AsyncResult:
+        """Start running ``code`` on ``ranks``; returns at once."""
+        return self._view(ranks).execute(code, silent=False, block=False)
 
     def push(self, namespace: dict) -> None:
         self._client[self.engine_ids()].push(namespace, block=True)
@@ -273,6 +277,27 @@ class RankCluster:
 
     def interrupt(self, ranks: list[int]) -> None:
         self._client.send_signal(signal.SIGINT, targets=self.engine_ids(ranks), block=True)
+
+    # ------------------------------------------------------------------- tracing
+    @property
+    def trace_dir(self) -> Path:
+        return self.workdir / "traces"
+
+    def start_trace(self, ranks: list[int], values_limit: int) -> ipp.AsyncResult:
+        """Trace the next cell sent to ``ranks``; returns at once (the engines keep the order)."""
+        return self._view(ranks).apply_async(trace_code.start_trace, str(self.trace_dir), values_limit)
+
+    def collect_trace(self, ranks: list[int], timeout: float = 10.0) -> dict[int, list]:
+        """The traced events of ranks that finished their cell."""
+        events = self._view(ranks).apply_async(trace_code.collect_trace).get(timeout=timeout)
+        return dict(zip(ranks, events))
+
+    def read_traces(self, ranks: list[int]) -> dict[int, list]:
+        """The events recorded so far, from the ranks' trace files (works while ranks block)."""
+        return {
+            rank: trace_code.read_trace_file(self.trace_dir / trace_code.TRACE_FILE.format(rank=rank))
+            for rank in ranks
+        }
 
     # ------------------------------------------------------------------- stacks
     def stack_dump_path(self, rank: int) -> Path:

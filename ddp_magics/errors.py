@@ -82,14 +82,15 @@ class BlockedRank:
     dist_call: str | None = None
     frames: tuple[Frame, ...] = ()
     dump_missing: bool = False
+    traced_call: str | None = None  # from the cell's trace: ``recv from rank 1``
 
     @classmethod
-    def from_dump(cls, rank: int, dump: str | None, cell: str) -> BlockedRank:
+    def from_dump(cls, rank: int, dump: str | None, cell: str, traced_call: str | None = None) -> BlockedRank:
         if not dump:
-            return cls(rank=rank, dump_missing=True)
+            return cls(rank=rank, dump_missing=True, traced_call=traced_call)
         frames = cell_frames(parse_stack_dump(dump))
         if not frames:
-            return cls(rank=rank)
+            return cls(rank=rank, traced_call=traced_call)
         cell_line = frames[0].line
         lines = cell.splitlines()
         source = lines[cell_line - 1].strip() if 0 < cell_line <= len(lines) else None
@@ -100,12 +101,15 @@ class BlockedRank:
             source_line=source,
             dist_call=dist_calls[0] if dist_calls else None,
             frames=tuple(frames),
+            traced_call=traced_call,
         )
 
     def where(self) -> str:
         """``in all_reduce at cell line 3``, as far as it is known."""
         parts = []
-        if self.dist_call:
+        if self.traced_call:
+            parts.append(f"in {self.traced_call}")
+        elif self.dist_call:
             parts.append(f"in {self.dist_call}")
         if self.cell_line is not None:
             parts.append(f"at cell line {self.cell_line}")
@@ -150,6 +154,7 @@ class DistributedCellError(Exception):
     timeout: float | None = None
     interrupted: bool = False
     usable: bool = True
+    mismatches: list[str] = field(default_factory=list)  # from the cell's trace, in plain words
 
     def __post_init__(self) -> None:
         super().__init__(self.summary())
@@ -191,6 +196,7 @@ class DistributedCellError(Exception):
             lines.extend(blocked.report_lines())
         if self.finished:
             lines.append(f"[{rank_label(self.finished)}] finished")
+        lines.extend(f"Mismatch: {message}" for message in self.mismatches)
         if not self.usable:
             lines.append(RESTART_ADVICE)
         return lines

@@ -26,6 +26,7 @@ from ddp_magics.errors import (
     usage_error,
 )
 from ddp_magics.output import RankOutput, StatusTable, render, tail
+from ddp_magics.trace import Trace
 from ddp_magics.widgets import LiveView
 
 POLL_SECONDS = 0.1
@@ -63,6 +64,7 @@ class CellRun:
     async_result: object
     ranks: list[int]
     cell: str
+    traced: bool = False
 
     def metadata(self) -> dict[int, dict]:
         """Per rank: status, error, stdout, stderr, outputs and result received so far."""
@@ -77,6 +79,12 @@ class CellRun:
     def errors(self) -> dict[int, BaseException]:
         """The exception each failed rank answered with (RemoteError, or EngineError if it died)."""
         return {rank: md["error"] for rank, md in self.metadata().items() if md["status"] == "error"}
+
+
+def _traced_call(trace: Trace | None, rank: int) -> str | None:
+    """``recv from rank 1`` for a rank blocked in a traced call."""
+    event = trace.in_progress(rank) if trace else None
+    return event.call() if event else None
 
 
 @magics_class
@@ -114,6 +122,9 @@ class DistributedMagics(Magics):
         1.0, config=True, help="Seconds after which a running cell shows its ranks' progress."
     )
     heartbeat_ms = Integer(250, config=True, help="ipyparallel heartbeat period (ms).")
+    trace_values_limit = Integer(
+        16, config=True, help="Traced tensors with at most this many elements keep their values."
+    )
     engine_launcher = Unicode(
         "local", config=True, help="ipyparallel engine launcher: local, mpi, ssh, slurm, ..."
     )
@@ -242,18 +253,31 @@ class DistributedMagics(Magics):
     @magic_arguments()
     @argument("--ranks", default=None, help="ranks to run on, e.g. 0 or 0,2 or 1-3 (default: all)")
     @argument("--timeout", type=float, default=None, help="seconds before a hang is reported")
+    @argument("--diagram", action="store_true", help="draw the torch.distributed calls the cell made")
+    @argument("--trace", metavar="NAME", default=None, help="keep the cell's trace in variable NAME")
     @cell_magic
     def distributed(self, line: str, cell: str) -> None:
         """Run the cell on every rank (or --ranks) and show the output in rank order."""
         args = parse_argstring(self.distributed, line)
+        if args.trace is not None and not args.trace.isidentifier():
+            raise usage_error(f"--trace {args.trace!r}: expected a variable name")
         cluster = self._ready_cluster()
         ranks = parse_rank_spec(args.ranks, cluster.n) if args.ranks else list(range(cluster.n))
         timeout = args.timeout if args.timeout is not None else self.cell_timeout
         if timeout <= 0:
             raise usage_error(f"--timeout {timeout:g}: must be more than 0 seconds")
-        run = CellRun(cluster.execute(cell, ranks), ranks, cell)
+        traced = args.diagram or args.trace is not None
+        if traced:
+            cluster.start_trace(ranks, self.trace_values_limit)
+        run = CellRun(cluster.execute(cell, ranks), ranks, cell, traced)
         ended = self._wait(run, timeout)
-        self._finish(run, timeout if ended == ENDED_TIMEOUT else None, ended == ENDED_INTERRUPT)
+        self._finish(
+            run,
+            timeout if ended == ENDED_TIMEOUT else None,
+            ended == ENDED_INTERRUPT,
+            diagram=args.diagram,
+            trace_name=args.trace,
+        )
 
     def _ready_cluster(self) -> RankCluster:
         """The running cluster, if every rank can take a new cell."""
@@ -315,7 +339,14 @@ class DistributedMagics(Magics):
             )
         return outputs
 
-    def _finish(self, run: CellRun, timed_out_after: float | None, interrupted: bool) -> None:
+    def _finish(
+        self,
+        run: CellRun,
+        timed_out_after: float | None,
+        interrupted: bool,
+        diagram: bool = False,
+        trace_name: str | None = None,
+    ) -> None:
         pending = run.pending_ranks()
         if not pending:
             # Replies can come before the last output; wait for the output of finished ranks.
@@ -326,16 +357,25 @@ class DistributedMagics(Magics):
             else:
                 display(item)
         errors = run.errors()
-        if not (pending or errors):
-            return
+        clean = not (pending or errors)
         # A rank that died mid-cell answers with an EngineError; report it as dead, not as raising.
-        dead = [rank for rank in self.cluster.dead_ranks() if rank in run.ranks]
+        dead = [] if clean else [rank for rank in self.cluster.dead_ranks() if rank in run.ranks]
+        trace = self._trace(run, from_files=bool(pending or dead)) if run.traced else None
+        if trace_name is not None:
+            self.shell.user_ns[trace_name] = trace
+        if diagram:
+            self._show_diagram(trace)
+        if clean:
+            return
         failures = [
             failure_from_remote_error(rank, error) for rank, error in errors.items() if rank not in dead
         ]
         alive_pending = [rank for rank in pending if rank not in dead]
         dumps = self.cluster.dump_stacks(alive_pending) if alive_pending else {}
-        blocked = [BlockedRank.from_dump(rank, dumps.get(rank), run.cell) for rank in alive_pending]
+        blocked = [
+            BlockedRank.from_dump(rank, dumps.get(rank), run.cell, traced_call=_traced_call(trace, rank))
+            for rank in alive_pending
+        ]
         if alive_pending:
             self._unfinished = run
         failed_or_dead = {failure.rank for failure in failures} | set(dead)
@@ -347,7 +387,23 @@ class DistributedMagics(Magics):
             timeout=timed_out_after,
             interrupted=interrupted,
             usable=not (alive_pending or dead),
+            mismatches=[mismatch.message for mismatch in trace.mismatches] if trace else [],
         )
+
+    def _trace(self, run: CellRun, from_files: bool) -> Trace:
+        """The cell's trace: from the ranks when they all answered, else from the trace files."""
+        if from_files:
+            return Trace(self.cluster.read_traces(run.ranks), complete=False)
+        return Trace(self.cluster.collect_trace(run.ranks))
+
+    def _show_diagram(self, trace: Trace) -> None:
+        if not trace.steps:
+            print(
+                "--diagram: the cell made no torch.distributed calls (calls through names imported "
+                "before the cell, like `from torch.distributed import send`, are not traced)"
+            )
+            return
+        display(trace.draw())
 
     def _live_html(self, run: CellRun, elapsed: float) -> str:
         pending = set(run.pending_ranks())

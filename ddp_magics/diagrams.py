@@ -1,0 +1,370 @@
+"""Pictures of communication, drawn with matplotlib from trace events.
+
+- ``draw_trace(trace)``: one step (a collective, or a send with its recv) as rank boxes with
+  their values before and after and an arrow for every rank-to-rank movement of data; or, for a
+  sequence, a timeline with one lane per rank.
+- ``draw_op("all_reduce", [[1], [2]])``: the same picture for an op that is not run, computed
+  from example inputs (for lessons).
+
+Each :class:`Diagram` shows as an image in a notebook and has a deterministic text form (the
+listing of ops and values) that nbval compares. Artists carry gids (``before:0``,
+``arrow:0->1``, ``event:1:3``, ...) so tests can check what was drawn.
+"""
+
+from __future__ import annotations
+
+import io
+import textwrap
+
+from matplotlib.figure import Figure
+from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
+
+from ddp_magics.errors import rank_label
+from ddp_magics.trace import (
+    COLLECTIVE,
+    OPS,
+    RUNNING,
+    TRANSFER,
+    WAIT,
+    Step,
+    Trace,
+    TraceEvent,
+    format_values,
+    plural,
+    simulated_trace,
+)
+
+MAX_TIMELINE_STEPS = 30  # in the text listing
+MAX_TIMELINE_COLUMNS = 16
+COLUMN_WIDTH, EVENT_WIDTH = 1.75, 1.45
+MAX_TIMELINE_RANKS = 8
+MAX_BOX_LINES = 8
+BOX_TEXT_WIDTH = 20
+# Inches per data unit: the axes fill the figure, so text (in points) and boxes (in data units)
+# keep their proportions whatever the number of ranks.
+INCHES_PER_X, INCHES_PER_Y = 0.95, 0.75
+LINE_HEIGHT = 0.2  # one line of box text, in data units
+MISMATCH_COLOR = "#c62828"
+RANK_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22"]
+
+
+def rank_color(rank: int) -> str:
+    return RANK_COLORS[rank % len(RANK_COLORS)]
+
+
+class Diagram:
+    """A figure and the text that describes it (what nbval compares)."""
+
+    def __init__(self, figure: Figure, text: str) -> None:
+        self.figure = figure
+        self.text = text
+
+    def artists(self, prefix: str = "") -> list:
+        """The drawn artists whose gid starts with ``prefix`` (``arrow:``, ``before:``, ...)."""
+        axes = self.figure.axes[0]
+        return [
+            artist
+            for artist in (*axes.patches, *axes.texts)
+            if (artist.get_gid() or "").startswith(prefix) and artist.get_gid()
+        ]
+
+    def gids(self, prefix: str = "") -> list[str]:
+        return [artist.get_gid() for artist in self.artists(prefix)]
+
+    def _repr_png_(self) -> bytes:
+        buffer = io.BytesIO()
+        self.figure.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
+        return buffer.getvalue()
+
+    def _repr_pretty_(self, printer, cycle: bool) -> None:
+        printer.text(self.text)
+
+    def __repr__(self) -> str:
+        return self.text
+
+    def save(self, path: str) -> None:
+        self.figure.savefig(path, bbox_inches="tight")
+
+
+# --------------------------------------------------------------------------- entry points
+def draw_trace(trace: Trace, step: int | None = None, timeline: bool | None = None) -> Diagram:
+    """Step ``step`` (numbered as in ``trace``'s listing) or, by default, the only step if there
+    is one and the timeline otherwise."""
+    if step is not None:
+        if not 1 <= step <= len(trace.steps):
+            raise ValueError(f"step {step}: this trace has steps 1-{len(trace.steps)}")
+        return draw_step(trace, step)
+    if timeline is None:
+        timeline = len(trace.steps) != 1
+    return draw_timeline(trace) if timeline else draw_step(trace, 1)
+
+
+def draw_op(op: str, values: list[list], *, root: int = 0, dst: int = 1, reduce_op: str = "SUM") -> Diagram:
+    """The picture of ``op`` on ``len(values)`` ranks whose inputs are ``values`` (nothing runs).
+
+    ``draw_op("all_reduce", [[1.0], [2.0]])``; for ``send``, rank ``root`` sends to ``dst``.
+    """
+    return draw_step(simulated_trace(op, values, root=root, dst=dst, reduce_op=reduce_op), 1)
+
+
+# --------------------------------------------------------------------------- one step
+def draw_step(trace: Trace, number: int) -> Diagram:
+    step = trace.steps[number - 1]
+    ranks = sorted(set(step.group) | set(step.events)) if step.kind == COLLECTIVE else step.ranks
+    columns = {rank: index * 2.0 for index, rank in enumerate(ranks)}
+    boxes = {rank: (_box_text(step, rank, "before"), _box_text(step, rank, "after")) for rank in ranks}
+    lines = max(len(text.splitlines()) for pair in boxes.values() for text in pair)
+    box_height = 0.25 + LINE_HEIGHT * lines
+    before_y, after_y = 1.7 + box_height, 0.0
+    mismatches = [m for m in trace.mismatches if any(m.involves(e) for e in step.events.values())]
+
+    figure, axes = _figure()
+    for rank in ranks:
+        event = step.events.get(rank)
+        missing = event is None
+        edge = MISMATCH_COLOR if missing or any(m.involves(event) for m in mismatches) else rank_color(rank)
+        for row, y in (("before", before_y), ("after", after_y)):
+            text = boxes[rank][0 if row == "before" else 1]
+            _box(axes, columns[rank], y, 1.6, box_height, text, edge, f"{row}:{rank}", dashed=missing)
+    for source, target in step.flows():
+        arrow = FancyArrowPatch(
+            (columns[source], before_y - box_height / 2),
+            (columns[target], after_y + box_height / 2),
+            arrowstyle="-|>",
+            mutation_scale=12,
+            color=rank_color(source),
+            linewidth=1.4,
+            shrinkA=2,
+            shrinkB=2,
+            gid=f"arrow:{source}->{target}",
+        )
+        axes.add_patch(arrow)
+    left = min(columns.values()) - 1.0
+    axes.text(left - 0.1, before_y, "before", ha="right", va="center", fontsize=9, color="0.35")
+    axes.text(left - 0.1, after_y, "after", ha="right", va="center", fontsize=9, color="0.35")
+    _mismatch_footer(axes, mismatches, left, after_y - box_height / 2 - 0.35)
+    top = before_y + box_height / 2 + 0.3
+    _title(axes, (left + max(columns.values())) / 2, top, f"{number}. {step.title()}")
+    _fit(
+        figure,
+        axes,
+        (left - 0.9, max(columns.values()) + 1.0),
+        (after_y - box_height / 2 - 0.5 - 0.45 * len(mismatches), top + 0.3),
+    )
+
+    listing = [f"{number}. {step.title()}", *(f"   {line}" for line in step.lines())]
+    listing.extend(f"Mismatch: {m.message}" for m in mismatches)
+    return Diagram(figure, "\n".join(listing))
+
+
+def _figure() -> tuple[Figure, object]:
+    figure = Figure()
+    axes = figure.add_axes((0, 0, 1, 1))
+    axes.set_axis_off()
+    return figure, axes
+
+
+def _fit(figure: Figure, axes, xlim: tuple[float, float], ylim: tuple[float, float]) -> None:
+    """Show ``xlim`` x ``ylim`` at a fixed scale; text outside it widens the saved image."""
+    axes.set_xlim(*xlim)
+    axes.set_ylim(*ylim)
+    figure.set_size_inches((xlim[1] - xlim[0]) * INCHES_PER_X, (ylim[1] - ylim[0]) * INCHES_PER_Y)
+
+
+def _title(axes, x: float, y: float, text: str) -> None:
+    axes.text(x, y, text, ha="center", va="center", fontsize=11, gid="title")
+
+
+def _box_text(step: Step, rank: int, row: str) -> str:
+    event = step.events.get(rank)
+    lines = [f"rank {rank}"]
+    if event is None:
+        lines.append("never called" if row == "before" else "")
+        return "\n".join(lines)
+    if row == "before":
+        values = event.before
+    elif event.status == RUNNING:
+        values = None
+    elif event.op in OPS and not OPS[event.op].outputs:
+        values = event.before  # a send keeps its data
+    else:
+        values = event.after
+    if event.op != step.op and step.kind == COLLECTIVE and row == "before":
+        lines.append(f"called {event.op}")
+    lines.extend(_value_lines(values, still_running=event.status == RUNNING))
+    return "\n".join(lines)
+
+
+def _value_lines(infos, still_running: bool = False) -> list[str]:
+    if infos is None:
+        return ["(still running)" if still_running else "?"]
+    if not infos:
+        return ["-"]
+    lines = [line for info in infos for line in textwrap.wrap(info.describe(), BOX_TEXT_WIDTH)]
+    if len(lines) > MAX_BOX_LINES:
+        lines = [*lines[: MAX_BOX_LINES - 1], f"... {len(lines) - MAX_BOX_LINES + 1} more lines"]
+    return lines
+
+
+def _box(axes, x, y, width, height, text, edge, gid, dashed=False, fontsize=8.5) -> None:
+    axes.add_patch(
+        FancyBboxPatch(
+            (x - width / 2, y - height / 2),
+            width,
+            height,
+            boxstyle="round,pad=0.04",
+            facecolor="white",
+            edgecolor=edge,
+            linewidth=1.5,
+            linestyle="--" if dashed else "-",
+            gid=gid,
+        )
+    )
+    axes.text(x, y, text, ha="center", va="center", fontsize=fontsize, family="monospace", gid=f"text:{gid}")
+
+
+def _mismatch_footer(axes, mismatches, x, y) -> None:
+    for index, mismatch in enumerate(mismatches):
+        axes.text(
+            x,
+            y - 0.45 * index,
+            "\n".join(textwrap.wrap(f"Mismatch: {mismatch.message}", 110)),
+            ha="left",
+            va="top",
+            fontsize=8.5,
+            color=MISMATCH_COLOR,
+            gid=f"mismatch:{index}",
+        )
+
+
+# --------------------------------------------------------------------------- a sequence
+def draw_timeline(trace: Trace) -> Diagram:
+    """One lane per rank, time left to right; long traces keep their first columns and say so."""
+    lanes = {rank: index for index, rank in enumerate(trace.ranks[:MAX_TIMELINE_RANKS])}
+    numbered = list(enumerate(trace.steps, 1))
+    shown = [(n, step) for n, step in numbered if step.column < MAX_TIMELINE_COLUMNS]
+    last_column = max((c for _, step in shown for c in step.columns.values()), default=0)
+    last_column = min(last_column, MAX_TIMELINE_COLUMNS - 1)
+    notes = _timeline_notes(trace, lanes, len(numbered) - len(shown))
+    figure, axes = _figure()
+
+    def x_of(column: int) -> float:
+        return column * COLUMN_WIDTH
+
+    def y_of(rank: int) -> float:
+        return -1.0 * lanes[rank]
+
+    right = x_of(last_column) + 1.0
+    for rank in lanes:
+        axes.plot([-0.9, right], [y_of(rank)] * 2, color="0.85", linewidth=1, zorder=0)
+        axes.text(
+            -1.0, y_of(rank), f"rank {rank}", ha="right", va="center", fontsize=9, color=rank_color(rank)
+        )
+    for number, step in shown:
+        drawn = {
+            r: e for r, e in step.events.items() if r in lanes and step.columns[r] < MAX_TIMELINE_COLUMNS
+        }
+        members = [rank for rank in step.group if rank in lanes]
+        if step.kind == COLLECTIVE and members:
+            top, bottom, x = y_of(members[0]), y_of(members[-1]), x_of(step.column)
+            axes.add_patch(
+                FancyBboxPatch(
+                    (x - 0.75, bottom - 0.4),
+                    1.5,
+                    top - bottom + 0.8,
+                    boxstyle="round,pad=0.02",
+                    facecolor="#eef3fb",
+                    edgecolor="none",
+                    zorder=1,
+                    gid=f"collective:{number}",
+                )
+            )
+        for rank, event in drawn.items():
+            mismatched = any(m.involves(event) for m in trace.mismatches)
+            edge = MISMATCH_COLOR if mismatched else rank_color(rank)
+            label = f"{number} {_short_op(event)}\n{_short_values(event)}"
+            x, y = x_of(step.columns[rank]), y_of(rank)
+            _box(axes, x, y, EVENT_WIDTH, 0.62, label, edge, f"event:{rank}:{event.seq}", fontsize=7.5)
+        if (
+            step.kind == TRANSFER
+            and step.send
+            and step.recv
+            and {step.send.rank, step.recv.rank} <= set(drawn)
+        ):
+            _transfer_arrow(axes, step, number, x_of, y_of)
+    bottom = -1.0 * (len(lanes) - 1) - 0.55
+    for index, note in enumerate(notes):
+        is_mismatch = note.startswith("Mismatch")
+        axes.text(
+            -1.0,
+            bottom - 0.3 - 0.4 * index,
+            note,
+            ha="left",
+            va="top",
+            fontsize=8.5,
+            color=MISMATCH_COLOR if is_mismatch else "0.3",
+            gid=f"{'mismatch' if is_mismatch else 'note'}:{index}",
+        )
+    complete = "" if trace.complete else " (cell not finished)"
+    _title(
+        axes, right / 2, 0.75, f"{plural(len(trace.steps), 'step')} on {rank_label(trace.ranks)}{complete}"
+    )
+    _fit(figure, axes, (-2.4, right + 0.2), (bottom - 0.4 - 0.4 * len(notes), 1.05))
+    return Diagram(figure, trace.text(MAX_TIMELINE_STEPS))
+
+
+def _transfer_arrow(axes, step: Step, number: int, x_of, y_of) -> None:
+    """From the send's box to the recv's box: straight down (or up) when they share a column."""
+    send, recv = step.send, step.recv
+    x_send, x_recv = x_of(step.columns[send.rank]), x_of(step.columns[recv.rank])
+    y_send, y_recv = y_of(send.rank), y_of(recv.rank)
+    down = 1 if y_recv < y_send else -1
+    if x_send == x_recv:
+        start = (x_send + EVENT_WIDTH / 2 - 0.12, y_send - 0.31 * down)
+        end = (x_recv + EVENT_WIDTH / 2 - 0.12, y_recv + 0.31 * down)
+    else:
+        start = (x_send + EVENT_WIDTH / 2, y_send - 0.2 * down)
+        end = (x_recv - EVENT_WIDTH / 2, y_recv + 0.2 * down)
+    axes.add_patch(
+        FancyArrowPatch(
+            start,
+            end,
+            arrowstyle="-|>",
+            mutation_scale=11,
+            color=rank_color(send.rank),
+            linewidth=1.3,
+            zorder=3,
+            gid=f"arrow:{send.rank}->{recv.rank}:{number}",
+        )
+    )
+
+
+def _timeline_notes(trace: Trace, lanes: dict[int, int], not_drawn: int) -> list[str]:
+    notes = []
+    if not_drawn:
+        notes.append(f"... {plural(not_drawn, 'more step')} not drawn; all steps: {trace.summary()}")
+    hidden = [rank for rank in trace.ranks if rank not in lanes]
+    if hidden:
+        notes.append(f"ranks {hidden[0]}-{hidden[-1]} not drawn (first {MAX_TIMELINE_RANKS} ranks shown)")
+    notes.extend(
+        textwrap.shorten(f"Mismatch: {mismatch.message}", 160, placeholder=" ...")
+        for mismatch in trace.mismatches
+    )
+    return notes
+
+
+def _short_op(event: TraceEvent) -> str:
+    if event.op == WAIT:
+        return "wait"
+    if event.op in ("send", "isend"):
+        return f"{event.op}→{event.peer}"
+    if event.op in ("recv", "irecv"):
+        return f"{event.op}←{'?' if event.peer is None else event.peer}"
+    return event.op.replace("_into_tensor", "_into_t").replace("reduce_scatter", "red_scatter")
+
+
+def _short_values(event: TraceEvent) -> str:
+    if event.status == RUNNING:
+        return "running..."
+    infos = event.after if event.op in OPS and OPS[event.op].outputs else event.before
+    return textwrap.shorten(format_values(infos), 18, placeholder="...")
