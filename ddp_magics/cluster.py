@@ -287,17 +287,13 @@ class RankCluster:
         """Trace the next cell sent to ``ranks``; returns at once (the engines keep the order)."""
         return self._view(ranks).apply_async(trace_code.start_trace, str(self.trace_dir), values_limit)
 
-    def collect_trace(self, ranks: list[int], timeout: float = 10.0) -> dict[int, list]:
-        """The traced events of ranks that finished their cell."""
-        events = self._view(ranks).apply_async(trace_code.collect_trace).get(timeout=timeout)
-        return dict(zip(ranks, events))
+    def read_traces(self, ranks: list[int], still_running: list[int]) -> dict[int, list]:
+        """The traced events of ``ranks`` from their snapshot files; ranks ``still_running`` are
+        asked for a snapshot of what they recorded so far (this works while they block in C code).
 
-    def read_traces(self, ranks: list[int]) -> dict[int, list]:
-        """The events recorded so far, from the ranks' trace files (works while ranks block)."""
-        return {
-            rank: trace_code.read_trace_file(self.trace_dir / trace_code.TRACE_FILE.format(rank=rank))
-            for rank in ranks
-        }
+        Like stack dumps, this reads files in the cluster's directory: engines on this host only.
+        """
+        return trace_code.read_snapshots(self.trace_dir, ranks, still_running)
 
     # ------------------------------------------------------------------- stacks
     def stack_dump_path(self, rank: int) -> Path:

@@ -360,7 +360,7 @@ class DistributedMagics(Magics):
         clean = not (pending or errors)
         # A rank that died mid-cell answers with an EngineError; report it as dead, not as raising.
         dead = [] if clean else [rank for rank in self.cluster.dead_ranks() if rank in run.ranks]
-        trace = self._trace(run, from_files=bool(pending or dead)) if run.traced else None
+        trace = self._trace(run, pending, dead) if run.traced else None
         if trace_name is not None:
             self.shell.user_ns[trace_name] = trace
         if diagram:
@@ -390,11 +390,11 @@ class DistributedMagics(Magics):
             mismatches=[mismatch.message for mismatch in trace.mismatches] if trace else [],
         )
 
-    def _trace(self, run: CellRun, from_files: bool) -> Trace:
-        """The cell's trace: from the ranks when they all answered, else from the trace files."""
-        if from_files:
-            return Trace(self.cluster.read_traces(run.ranks), complete=False)
-        return Trace(self.cluster.collect_trace(run.ranks))
+    def _trace(self, run: CellRun, pending: list[int], dead: list[int]) -> Trace:
+        """The cell's trace; ranks still running report what they recorded so far."""
+        alive_pending = [rank for rank in pending if rank not in dead]
+        events = self.cluster.read_traces(run.ranks, still_running=alive_pending)
+        return Trace(events, complete=not (pending or dead))
 
     def _show_diagram(self, trace: Trace) -> None:
         if not trace.steps:

@@ -2,8 +2,11 @@
 
 Engine side: ``start_trace`` wraps the communication functions of ``torch.distributed`` for the
 next cell and unwraps them when that cell ends (IPython's ``post_execute``). Every call becomes a
-:class:`TraceEvent` (plain, picklable data) kept in memory and appended to a per-rank file, so the
-events of a cell that never ends can still be read. When tracing is off nothing is wrapped.
+:class:`TraceEvent` (plain, picklable data) kept in memory and written to ``rankN.trace`` in the
+cluster's directory when the cell ends. While the cell runs, a thread watches for a request file,
+so the events of a cell that blocks in C code can still be read: the notebook creates
+``rankN.request``, the thread writes ``rankN.trace`` and removes the request. When tracing is off
+nothing is wrapped and no thread runs.
 
 Notebook side: :class:`Trace` merges the ranks' events. It pairs each send with its recv, lines
 up each group's collectives by their order on every rank, names mismatches in plain words and
@@ -17,8 +20,8 @@ import inspect
 import itertools
 import os
 import pickle
-import struct
 import sys
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -27,7 +30,8 @@ from ddp_magics.errors import rank_label
 
 DEFAULT_VALUES_LIMIT = 16
 TRACE_FILE = "rank{rank}.trace"
-_RECORD_HEADER = struct.Struct("<I")
+REQUEST_FILE = "rank{rank}.request"
+WATCH_SECONDS = 0.05  # how often the snapshot thread looks for a request
 
 
 # --------------------------------------------------------------------------- what a call records
@@ -184,8 +188,10 @@ class Tracer:
         self._originals: dict[str, object] = {}
         self._groups: dict[int, tuple[object, tuple[int, ...], str]] = {}
         self._nested = False
-        path = Path(directory) / TRACE_FILE.format(rank=self.rank)
-        self._file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        self._snapshot_path = Path(directory) / TRACE_FILE.format(rank=self.rank)
+        self._request_path = Path(directory) / REQUEST_FILE.format(rank=self.rank)
+        self._stopped = threading.Event()
+        self._watcher = threading.Thread(target=self._watch_requests, daemon=True)
 
     # ---------------------------------------------------------------- install / remove
     def install(self) -> None:
@@ -194,24 +200,41 @@ class Tracer:
             self._originals[name] = original
             setattr(self._dist, name, self._wrap(name, original))
         self.active = True
+        self._snapshot_path.unlink(missing_ok=True)
+        self._watcher.start()
 
     def remove(self) -> None:
         for name, original in self._originals.items():
             setattr(self._dist, name, original)
         self._originals.clear()
         self.active = False
-        os.close(self._file)
+        self._stopped.set()
+        self._watcher.join()
+        self.write_snapshot()  # the final state, for the ranks of a cell that others did not finish
+
+    def _watch_requests(self) -> None:
+        """Write a snapshot of the events whenever the notebook asks (runs while the cell does)."""
+        while not self._stopped.wait(WATCH_SECONDS):
+            if self._request_path.exists():
+                self.write_snapshot()
+                self._request_path.unlink(missing_ok=True)
+
+    def write_snapshot(self) -> None:
+        partial = self._snapshot_path.with_suffix(".partial")
+        partial.write_bytes(pickle.dumps(list(self.events), protocol=pickle.HIGHEST_PROTOCOL))
+        os.replace(partial, self._snapshot_path)
 
     # ---------------------------------------------------------------- recording
     def _wrap(self, name: str, original):
         spec = OPS[name]
-        signature = inspect.signature(original)
+        parameter_names = list(inspect.signature(original).parameters)
 
         @functools.wraps(original)
         def traced(*args, **kwargs):
             if self._nested:  # a traced function calling another: record the outer call only
                 return original(*args, **kwargs)
-            arguments = signature.bind(*args, **kwargs).arguments
+            arguments = dict(zip(parameter_names, args))
+            arguments.update(kwargs)
             event = self._begin(name, spec, arguments)
             if event is None:
                 return original(*args, **kwargs)
@@ -225,7 +248,6 @@ class Tracer:
                 self._nested = False
             if event.async_op and result is not None:
                 event.status = WAITING
-                self._write(event)
                 return TracedWork(result, self, event, arguments)
             if name == "recv" and event.peer is None:
                 event.peer = result
@@ -263,21 +285,18 @@ class Tracer:
             event.primary = TensorInfo(tuple(tensor.shape), _dtype_name(tensor))
         event.before = self._tensors(arguments, spec.inputs)
         self.events.append(event)
-        self._write(event)
         return event
 
     def _complete(self, event: TraceEvent, spec: OpSpec, arguments: dict) -> None:
         event.after = self._tensors(arguments, spec.outputs)
         event.end = time.time()
         event.status = DONE
-        self._write(event)
 
     def _fail(self, event: TraceEvent, error: BaseException) -> None:
         message = str(error).strip().splitlines()
         event.error = type(error).__name__ + (f": {message[0]}" if message else "")
         event.end = time.time()
         event.status = ERROR
-        self._write(event)
 
     def _group(self, group) -> tuple[tuple[int, ...], str] | None:
         key = id(group)
@@ -318,12 +337,6 @@ class Tracer:
             values = tuple(tensor.detach().reshape(-1).tolist())
         return TensorInfo(tuple(tensor.shape), _dtype_name(tensor), values)
 
-    def _write(self, event: TraceEvent) -> None:
-        if not self.active:
-            return
-        data = pickle.dumps(event, protocol=pickle.HIGHEST_PROTOCOL)
-        os.write(self._file, _RECORD_HEADER.pack(len(data)) + data)
-
 
 class TracedWork:
     """The handle of a traced async call: records its ``wait`` and the values it produced."""
@@ -352,7 +365,6 @@ class TracedWork:
             status=RUNNING,
         )
         tracer.events.append(wait_event)
-        tracer._write(wait_event)
         try:
             result = self._work.wait(*args, **kwargs)
         except BaseException as error:
@@ -365,7 +377,6 @@ class TracedWork:
         wait_event.after = ()
         wait_event.end = time.time()
         wait_event.status = DONE
-        tracer._write(wait_event)
         return result
 
     def __getattr__(self, name: str):
@@ -418,28 +429,29 @@ def _stop_trace() -> None:
         _tracer.remove()
 
 
-def collect_trace() -> list[TraceEvent]:
-    """The events of the last traced cell (tracing stops when that cell ends)."""
-    return list(_tracer.events) if _tracer is not None else []
+def read_snapshots(
+    directory: Path, ranks: list[int], still_running: list[int], wait: float = 2.0
+) -> dict[int, list[TraceEvent]]:
+    """The events of ``ranks`` so far, from their snapshot files (works while ranks block).
 
-
-def read_trace_file(path: Path) -> list[TraceEvent]:
-    """Events from a rank's trace file, each in its latest recorded state; [] if there is none."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return []
-    latest: dict[int, TraceEvent] = {}
-    offset = 0
-    while offset + _RECORD_HEADER.size <= len(data):
-        (size,) = _RECORD_HEADER.unpack_from(data, offset)
-        start = offset + _RECORD_HEADER.size
-        if start + size > len(data):  # a record still being written
-            break
-        event = pickle.loads(data[start : start + size])
-        latest[event.seq] = event
-        offset = start + size
-    return [latest[seq] for seq in sorted(latest)]
+    Ranks that finished the cell wrote their final snapshot; ``still_running`` ranks are asked
+    for one. A rank that does not answer within ``wait`` seconds gives [].
+    """
+    requests = [directory / REQUEST_FILE.format(rank=rank) for rank in still_running]
+    for path in requests:
+        path.touch()
+    deadline = time.monotonic() + wait
+    while any(path.exists() for path in requests) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for path in requests:
+        path.unlink(missing_ok=True)
+    snapshots = {}
+    for rank in ranks:
+        try:
+            snapshots[rank] = pickle.loads((directory / TRACE_FILE.format(rank=rank)).read_bytes())
+        except FileNotFoundError:
+            snapshots[rank] = []
+    return snapshots
 
 
 # --------------------------------------------------------------------------- notebook side
