@@ -879,7 +879,7 @@ def simulated_trace(
     if op == "broadcast":
         after = {r: [list(values[root])] for r in group}
     elif op == "reduce":
-        after = {r: [reduced(values) if r == root else list(values[r])] for r in group}
+        after = {r: [reduced(values)] if r == root else None for r in group}  # others: unspecified
     elif op == "all_reduce":
         after = {r: [reduced(values)] for r in group}
     elif op == "gather":
@@ -917,7 +917,7 @@ def simulated_trace(
                 root=root if spec.root else None,
                 reduce_op=reduce_op if spec.has_reduce_op else None,
                 before=tuple(_simulated_info(v) for v in before[r]),
-                after=tuple(_simulated_info(v) for v in after[r]),
+                after=None if after[r] is None else tuple(_simulated_info(v) for v in after[r]),
                 status=DONE,
             )
         ]

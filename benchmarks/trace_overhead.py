@@ -1,0 +1,94 @@
+"""What tracing costs: 100 x 1 MB ``all_reduce`` with tracing off and on, same cluster, same run.
+
+One 2-rank gloo cluster (``%dist_start -n 2 --backend gloo``). Each repetition runs the same cell
+twice, in alternating order:
+
+  off: ``%%distributed``            (nothing is wrapped)
+  on:  ``%%distributed --trace t``  (every call recorded, events collected into a Trace)
+
+The cell times its own loop of 100 ``dist.all_reduce`` calls on a 1 MB float32 tensor
+(262 144 elements); a repetition's time is the slowest rank's. The whole-cell wall time (the
+magic's own work included: starting the trace, collecting and matching 200 events) is printed
+as well.
+
+Target: median(on) / median(off) <= 1.05 for the loop.  Exits 1 if it is missed.
+
+    .venv/bin/python benchmarks/trace_overhead.py                 # 15 repetitions
+    .venv/bin/python benchmarks/trace_overhead.py --repeats 3     # quick check
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+from IPython.core.interactiveshell import InteractiveShell
+from IPython.utils.capture import capture_output
+
+CALLS = 100
+ELEMENTS = 262_144  # 1 MB of float32
+TARGET_RATIO = 1.05
+SETUP = f"big = torch.ones({ELEMENTS}, device=device)\nimport time"
+LOOP = f"""\
+started = time.perf_counter()
+for _ in range({CALLS}):
+    dist.all_reduce(big)
+loop_seconds = time.perf_counter() - started
+"""
+
+
+def run(shell: InteractiveShell, traced: bool) -> tuple[float, float]:
+    """(slowest rank's loop seconds, whole cell seconds) for one cell."""
+    started = time.perf_counter()
+    with capture_output():
+        shell.run_cell_magic("distributed", "--trace bench_trace" if traced else "", LOOP)
+    wall = time.perf_counter() - started
+    if traced:
+        trace = shell.user_ns["bench_trace"]
+        assert trace.calls() == 2 * CALLS and not trace.mismatches, trace.summary()
+    loops = shell.run_line_magic("dist_pull", "loop_seconds")
+    return max(loops.values()), wall
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args()
+
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "ddp_magics")
+    try:
+        with capture_output() as captured:
+            shell.run_line_magic("dist_start", "-n 2 --backend gloo")
+        print(captured.stdout.strip())
+        with capture_output():
+            shell.run_cell_magic("distributed", "", SETUP)
+        run(shell, traced=False)  # warm-up
+        run(shell, traced=True)
+        samples: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+        for repeat in range(args.repeats):
+            order = (False, True) if repeat % 2 == 0 else (True, False)
+            for traced in order:
+                samples[traced].append(run(shell, traced))
+    finally:
+        with capture_output():
+            shell.run_line_magic("dist_stop", "")
+
+    def median(traced: bool, index: int) -> float:
+        return statistics.median(sample[index] for sample in samples[traced])
+
+    print(f"{CALLS} x all_reduce of {ELEMENTS * 4 / 1e6:.2f} MB on 2 ranks, {args.repeats} repetitions each")
+    print(f"{'':24}{'tracing off':>14}{'tracing on':>14}{'ratio':>8}")
+    for label, index in (("loop (slowest rank)", 0), ("whole cell", 1)):
+        off, on = median(False, index), median(True, index)
+        print(f"{label:24}{off * 1e3:>11.1f} ms{on * 1e3:>11.1f} ms{on / off:>8.3f}")
+    ratio = median(True, 0) / median(False, 0)
+    verdict = "pass" if ratio <= TARGET_RATIO else "FAIL"
+    print(f"target: loop ratio <= {TARGET_RATIO}: {verdict}")
+    return 0 if ratio <= TARGET_RATIO else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

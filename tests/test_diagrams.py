@@ -1,0 +1,104 @@
+"""Standalone drawings (nothing runs) and the matching of hand-made traces."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from ddp_magics.diagrams import draw_op
+from ddp_magics.trace import DIFFERENT_OPS, DONE, Trace, TraceEvent, simulated_trace
+
+INPUTS = [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]]
+ALL_PAIRS = [(a, b) for a in range(3) for b in range(3) if a != b]
+
+
+@pytest.mark.parametrize(
+    ("op", "options", "arrows", "after_rank_2"),
+    [
+        ("broadcast", dict(root=1), [(1, 0), (1, 2)], "[4.0, 5.0, 6.0]"),
+        ("reduce", dict(root=2, reduce_op="max"), [(0, 2), (1, 2)], "[7.0, 8.0, 9.0]"),
+        ("all_reduce", {}, ALL_PAIRS, "[12.0, 15.0, 18.0]"),
+        ("all_reduce", dict(reduce_op="avg"), ALL_PAIRS, "[4.0, 5.0, 6.0]"),
+        ("gather", dict(root=0), [(1, 0), (2, 0)], "-"),
+        ("all_gather", {}, ALL_PAIRS, "[1.0, 2.0, 3.0]\n[4.0, 5.0, 6.0]\n[7.0, 8.0, 9.0]"),
+        ("all_gather_into_tensor", {}, ALL_PAIRS, "[1.0, 2.0, 3.0, 4.0,\n5.0, 6.0, 7.0, 8.0,\n9.0]"),
+        ("scatter", dict(root=1), [(1, 0), (1, 2)], "[6.0]"),
+        ("reduce_scatter", {}, ALL_PAIRS, "[18.0]"),
+        ("reduce_scatter_tensor", dict(reduce_op="min"), ALL_PAIRS, "[3.0]"),
+        ("all_to_all", {}, ALL_PAIRS, "[3.0]\n[6.0]\n[9.0]"),
+        ("all_to_all_single", {}, ALL_PAIRS, "[3.0, 6.0, 9.0]"),
+        ("barrier", {}, [], "-"),
+        ("send", dict(root=2, dst=0), [(2, 0)], "[7.0, 8.0, 9.0]"),
+    ],
+)
+def test_draw_op_arrows_boxes_and_values(op, options, arrows, after_rank_2):
+    diagram = draw_op(op, INPUTS, **options)
+    assert sorted(diagram.gids("arrow:")) == sorted(f"arrow:{a}->{b}" for a, b in arrows)
+    shown = sorted({rank for pair in arrows for rank in pair}) if op == "send" else [0, 1, 2]
+    assert sorted(diagram.gids("before:")) == [f"before:{rank}" for rank in shown]
+    (after_text,) = diagram.artists("text:after:2")
+    assert after_text.get_text() == f"rank 2\n{after_rank_2}"
+    assert diagram._repr_png_().startswith(b"\x89PNG")
+    assert repr(diagram) == diagram.text == draw_op(op, INPUTS, **options).text  # deterministic
+
+
+def test_draw_op_text_lists_values_before_and_after():
+    assert draw_op("all_reduce", [[1.0], [2.0]]).text == (
+        "1. all_reduce SUM on ranks 0,1\n   rank 0: [1.0] -> [3.0]\n   rank 1: [2.0] -> [3.0]"
+    )
+    assert draw_op("broadcast", [[5], [0], [0], [0]]).text == (
+        "1. broadcast from rank 0 on ranks 0-3\n   rank 0: [5] -> [5]\n   ranks 1-3: [0] -> [5]"
+    )
+    # reduce leaves the other ranks' tensors unspecified
+    assert draw_op("reduce", [[1.0], [2.0]]).text.endswith("rank 1: [2.0] -> ?")
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: draw_op("allreduce", INPUTS), "unknown op 'allreduce'"),
+        (lambda: draw_op("all_reduce", INPUTS, reduce_op="mean"), "unknown reduce op 'MEAN'"),
+        (
+            lambda: draw_op("scatter", [[1.0, 2.0], [], []]),
+            "scatter: 2 values do not split into 3 equal chunks",
+        ),
+        (lambda: draw_op("broadcast", INPUTS, root=5), "rank 5 does not exist among 3 ranks"),
+        (lambda: draw_op("send", INPUTS, root=1, dst=1), "send: a rank cannot send to itself (rank 1)"),
+    ],
+)
+def test_draw_op_rejects_bad_input_in_plain_words(call, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        call()
+
+
+def event(rank, seq, op, group=(0, 1, 2, 3), name="world", **fields):
+    return TraceEvent(rank=rank, seq=seq, op=op, group=group, group_name=name, status=DONE, **fields)
+
+
+def test_collectives_in_different_orders_across_groups_fall_back_to_call_order():
+    # ranks 0,1 share group A and B but call them in opposite orders: a real deadlock.
+    a, b = dict(group=(0, 1), name="A"), dict(group=(0, 1), name="B")
+    trace = Trace(
+        {
+            0: [event(0, 1, "all_reduce", **a), event(0, 2, "broadcast", root=0, **b)],
+            1: [event(1, 1, "broadcast", root=0, **b), event(1, 2, "all_reduce", **a)],
+        }
+    )
+    assert not trace.mismatches  # each group's calls agree; only their order differs
+    assert {(step.op, tuple(sorted(step.columns.items()))) for step in trace.steps} == {
+        ("all_reduce", ((0, 0), (1, 1))),
+        ("broadcast", ((0, 1), (1, 0))),
+    }
+    assert len(trace.draw().gids("event:")) == 4
+
+
+def test_different_ops_are_not_also_reported_as_different_shapes():
+    trace = Trace({0: [event(0, 1, "all_reduce", group=(0, 1))], 1: [event(1, 1, "barrier", group=(0, 1))]})
+    assert [m.kind for m in trace.mismatches] == [DIFFERENT_OPS]
+
+
+def test_simulated_trace_is_a_trace_without_mismatches():
+    for op in ("all_reduce", "all_gather", "send"):
+        trace = simulated_trace(op, [[1.0, 2.0], [3.0, 4.0]])
+        assert len(trace.steps) == 1 and not trace.mismatches

@@ -1,0 +1,276 @@
+"""Every traced op on a real 4-rank gloo cluster: the recorded events, their matching, the figure.
+
+Each case runs a cell with ``--diagram --trace tr`` whose inputs depend on the rank, then checks
+the events by hand (op, peers, shapes, values before and after), checks that the real values
+equal what ``simulated_trace`` computes for the same inputs, and inspects the drawn artists.
+"""
+
+from __future__ import annotations
+
+import pytest
+from IPython.utils.capture import capture_output
+
+from ddp_magics.trace import simulated_trace
+from tests.conftest import assert_gone, run_cell, shown_text
+
+WORLD = 4
+OTHERS_TO = {dst: [(src, dst) for src in range(WORLD) if src != dst] for dst in range(WORLD)}
+FROM = {src: [(src, dst) for dst in range(WORLD) if dst != src] for src in range(WORLD)}
+ALL_PAIRS = [(a, b) for a in range(WORLD) for b in range(WORLD) if a != b]
+
+
+@pytest.fixture(scope="module")
+def cluster4(ip, magics):
+    with capture_output():
+        ip.run_line_magic("dist_start", f"-n {WORLD} --backend gloo")
+    yield magics
+    processes = magics.cluster.processes()
+    with capture_output():
+        ip.run_line_magic("dist_stop", "")
+    assert_gone(processes)
+
+
+def traced(ip, cell: str):
+    """Run ``cell`` traced; returns (trace, captured output)."""
+    captured, error = run_cell(ip, "--diagram --trace tr", cell)
+    assert error is None, error
+    return ip.user_ns["tr"], captured
+
+
+def pairs(values):
+    return [[10.0 * rank, 10.0 * rank + 1] for rank in range(WORLD)] if values is None else values
+
+
+# op, cell, simulated op and its keyword arguments, the arrows the figure must have
+CASES = {
+    "broadcast": (
+        "t = torch.tensor([10.0 * rank, 10.0 * rank + 1])\ndist.broadcast(t, src=2)",
+        dict(root=2),
+        FROM[2],
+    ),
+    "reduce": (
+        "t = torch.tensor([10.0 * rank, 10.0 * rank + 1])\ndist.reduce(t, dst=1)",
+        dict(root=1),
+        OTHERS_TO[1],
+    ),
+    "all_reduce": (
+        "t = torch.tensor([10.0 * rank, 10.0 * rank + 1])\ndist.all_reduce(t, op=dist.ReduceOp.MAX)",
+        dict(reduce_op="MAX"),
+        ALL_PAIRS,
+    ),
+    "gather": (
+        "t = torch.tensor([10.0 * rank, 10.0 * rank + 1])\n"
+        "out = [torch.zeros(2) for _ in range(world_size)] if rank == 3 else None\n"
+        "dist.gather(t, out, dst=3)",
+        dict(root=3),
+        OTHERS_TO[3],
+    ),
+    "all_gather": (
+        "t = torch.tensor([10.0 * rank, 10.0 * rank + 1])\n"
+        "out = [torch.zeros(2) for _ in range(world_size)]\n"
+        "dist.all_gather(out, t)",
+        {},
+        ALL_PAIRS,
+    ),
+    "all_gather_into_tensor": (
+        "t = torch.tensor([10.0 * rank, 10.0 * rank + 1])\n"
+        "out = torch.zeros(2 * world_size)\n"
+        "dist.all_gather_into_tensor(out, t)",
+        {},
+        ALL_PAIRS,
+    ),
+    "scatter": (
+        "chunks = list(torch.arange(8.0).chunk(world_size)) if rank == 0 else None\n"
+        "t = torch.zeros(2)\n"
+        "dist.scatter(t, chunks, src=0)",
+        dict(root=0),
+        FROM[0],
+    ),
+    "reduce_scatter": (
+        "parts = list((torch.arange(8.0) + 10 * rank).chunk(world_size))\n"
+        "out = torch.zeros(2)\n"
+        "dist.reduce_scatter(out, parts)",
+        {},
+        ALL_PAIRS,
+    ),
+    "reduce_scatter_tensor": (
+        "t = torch.arange(8.0) + 10 * rank\nout = torch.zeros(2)\ndist.reduce_scatter_tensor(out, t)",
+        {},
+        ALL_PAIRS,
+    ),
+    "all_to_all": (
+        "parts = list((torch.arange(4.0) + 10 * rank).chunk(world_size))\n"
+        "out = [torch.zeros(1) for _ in range(world_size)]\n"
+        "dist.all_to_all(out, parts)",
+        {},
+        ALL_PAIRS,
+    ),
+    "all_to_all_single": (
+        "t = torch.arange(4.0) + 10 * rank\nout = torch.zeros(4)\ndist.all_to_all_single(out, t)",
+        {},
+        ALL_PAIRS,
+    ),
+    "barrier": ("dist.barrier()", {}, []),
+}
+INPUTS = {
+    "scatter": [[float(x) for x in range(8)], [], [], []],
+    "reduce_scatter": [[10.0 * rank + i for i in range(8)] for rank in range(WORLD)],
+    "reduce_scatter_tensor": [[10.0 * rank + i for i in range(8)] for rank in range(WORLD)],
+    "all_to_all": [[10.0 * rank + i for i in range(4)] for rank in range(WORLD)],
+    "all_to_all_single": [[10.0 * rank + i for i in range(4)] for rank in range(WORLD)],
+    "barrier": [[] for _ in range(WORLD)],
+}
+
+
+@pytest.mark.parametrize("op", list(CASES))
+def test_collective_is_traced_matched_and_drawn(ip, cluster4, op):
+    cell, simulated_options, arrows = CASES[op]
+    trace, captured = traced(ip, cell)
+
+    assert trace.complete and not trace.mismatches
+    assert [step.op for step in trace.steps] == [op]
+    step = trace.steps[0]
+    assert step.kind == "collective" and step.group == (0, 1, 2, 3) and step.ranks == [0, 1, 2, 3]
+    for rank, event in step.events.items():
+        assert (event.rank, event.seq, event.op, event.status) == (rank, 1, op, "done")
+        assert event.line == cell.count("\n") + 1  # the last line of the cell made the call
+    expected = simulated_trace(op, INPUTS.get(op) or pairs(None), **simulated_options).steps[0]
+    if op == "reduce":  # the non-root ranks' tensors are unspecified afterwards (gloo reuses them)
+        assert step.lines()[1] == expected.lines()[1] == "rank 1: [10.0, 11.0] -> [60.0, 64.0]"
+        assert [line.split(" ->")[0] for line in step.lines()] == [
+            line.split(" ->")[0] for line in expected.lines()
+        ]
+    else:
+        assert step.lines() == expected.lines()
+    assert sorted(step.flows()) == sorted(arrows)
+
+    diagram = trace.draw()
+    assert sorted(diagram.gids("arrow:")) == sorted(f"arrow:{a}->{b}" for a, b in arrows)
+    for rank in range(WORLD):
+        assert diagram.artists(f"before:{rank}") and diagram.artists(f"after:{rank}")
+    # The text nbval compares is the one displayed after the ranks' output.
+    assert captured.outputs[-1].data["text/plain"] == diagram.text
+
+
+def test_values_before_and_after_are_the_real_ones(ip, cluster4):
+    trace, _ = traced(ip, "t = torch.tensor([rank + 1.0, 1.0])\ndist.all_reduce(t)")
+    events = trace.steps[0].events
+    assert [events[rank].before[0].values for rank in range(WORLD)] == [(r + 1.0, 1.0) for r in range(WORLD)]
+    assert {events[rank].after[0].values for rank in range(WORLD)} == {(10.0, 4.0)}
+    assert events[0].reduce_op == "SUM" and events[0].primary.shape == (2,)
+    assert events[0].primary.dtype == "float32"
+
+
+def test_large_tensors_keep_shape_not_values(ip, cluster4, magics):
+    trace, _ = traced(ip, "t = torch.ones(4, 5)\ndist.all_reduce(t)")  # 20 elements > 16
+    event = trace.steps[0].events[0]
+    assert event.before[0].values is None and event.before[0].shape == (4, 5)
+    assert "<4x5 float32> -> <4x5 float32>" in trace.text()
+    magics.trace_values_limit = 32
+    try:
+        trace, _ = traced(ip, "t = torch.ones(4, 5)\ndist.all_reduce(t)")
+    finally:
+        magics.trace_values_limit = 16
+    assert trace.steps[0].events[0].after[0].values == (4.0,) * 20
+
+
+def test_send_recv_pairs_and_arrow(ip, cluster4):
+    trace, _ = traced(
+        ip,
+        "t = torch.tensor([rank * 1.0, 7.0])\n"
+        "if rank == 1:\n"
+        "    dist.send(t, dst=3)\n"
+        "elif rank == 3:\n"
+        "    sender = dist.recv(t)\n",  # from any rank: the sender is learnt from recv's answer
+    )
+    assert not trace.mismatches
+    (step,) = trace.steps
+    assert step.kind == "transfer" and (step.send.rank, step.recv.rank) == (1, 3)
+    assert step.send.peer == 3 and step.recv.peer == 1
+    assert step.recv.before[0].values == (3.0, 7.0) and step.recv.after[0].values == (1.0, 7.0)
+    assert trace.draw().gids("arrow:") == ["arrow:1->3"]
+
+
+def test_isend_irecv_ring_is_a_timeline(ip, cluster4):
+    trace, _ = traced(
+        ip,
+        "right, left = (rank + 1) % world_size, (rank - 1) % world_size\n"
+        "inbox = torch.zeros(1)\n"
+        "send = dist.isend(torch.tensor([float(rank)]), right)\n"
+        "recv = dist.irecv(inbox, left)\n"
+        "send.wait()\n"
+        "recv.wait()\n",
+    )
+    assert not trace.mismatches
+    transfers = [step for step in trace.steps if step.kind == "transfer"]
+    assert sorted((s.send.rank, s.recv.rank) for s in transfers) == [(0, 1), (1, 2), (2, 3), (3, 0)]
+    for step in transfers:
+        assert step.recv.after[0].values == (float(step.send.rank),)
+        assert step.columns[step.recv.rank] >= step.columns[step.send.rank]
+    waits = [event for events in trace.events.values() for event in events if event.op == "wait"]
+    assert len(waits) == 2 * WORLD and all(event.status == "done" for event in waits)
+    assert {(w.rank, w.waited_op, w.waits_for) for w in waits if w.rank == 0} == {
+        (0, "isend", 1),
+        (0, "irecv", 2),
+    }
+
+    diagram = trace.draw()  # more than one step: a timeline
+    assert len(diagram.gids("event:")) == 4 * WORLD
+    numbers = {step.send.rank: n for n, step in enumerate(trace.steps, 1) if step.kind == "transfer"}
+    assert sorted(diagram.gids("arrow:")) == sorted(
+        f"arrow:{s}->{(s + 1) % WORLD}:{numbers[s]}" for s in range(WORLD)
+    )
+
+
+def test_async_collective_records_its_wait(ip, cluster4):
+    trace, _ = traced(
+        ip,
+        "t = torch.tensor([float(rank)])\nwork = dist.all_reduce(t, async_op=True)\nwork.wait()",
+    )
+    collective, waits = trace.steps
+    assert collective.op == "all_reduce" and all(e.async_op for e in collective.events.values())
+    assert {e.after[0].values for e in collective.events.values()} == {(6.0,)}
+    assert waits.title() == "wait for all_reduce SUM on ranks 0-3" and waits.ranks == [0, 1, 2, 3]
+
+
+def test_subgroup_collectives_are_matched_per_group(ip, cluster4):
+    trace, _ = traced(
+        ip,
+        "low, high = dist.new_group([0, 1]), dist.new_group([2, 3])\n"
+        "t = torch.tensor([float(rank)])\n"
+        "dist.all_reduce(t, group=low if rank < 2 else high)\n"
+        "dist.barrier()\n",
+    )
+    assert not trace.mismatches
+    groups = sorted(step.group for step in trace.steps if step.op == "all_reduce")
+    assert groups == [(0, 1), (2, 3)]
+    by_group = {step.group: step for step in trace.steps if step.op == "all_reduce"}
+    assert {e.after[0].values for e in by_group[(2, 3)].events.values()} == {(5.0,)}
+    timeline = trace.draw()
+    assert len(timeline.gids("collective:")) == 3  # two subgroup all_reduces and the barrier
+
+
+def test_long_trace_is_summarised(ip, cluster4):
+    trace, _ = traced(ip, "t = torch.ones(1)\nfor _ in range(40):\n    dist.all_reduce(t)")
+    assert len(trace.steps) == 40
+    assert "... 10 more steps: 40 x all_reduce" in trace.text()
+    diagram = trace.draw()
+    assert len(diagram.gids("collective:")) == 16  # the first 16 columns are drawn
+    notes = [artist.get_text() for artist in diagram.artists("note:")]
+    assert notes == ["... 24 more steps not drawn; all steps: 40 x all_reduce"]
+
+
+def test_tracing_is_off_unless_asked_and_unwraps_after_the_cell(ip, cluster4):
+    check = "print(dist.all_reduce is torch.distributed.distributed_c10d.all_reduce)"
+    captured, error = run_cell(ip, "", check)
+    assert error is None and shown_text(captured) == "[ranks 0-3]\nTrue"
+    captured, error = run_cell(ip, "--trace during", check)
+    assert error is None and shown_text(captured) == "[ranks 0-3]\nFalse"  # wrapped during the cell
+    captured, error = run_cell(ip, "", check)
+    assert error is None and shown_text(captured) == "[ranks 0-3]\nTrue"
+
+
+def test_diagram_of_a_cell_without_calls_says_so(ip, cluster4):
+    captured, error = run_cell(ip, "--diagram", "x = 1")
+    assert error is None
+    assert "the cell made no torch.distributed calls" in captured.stdout
