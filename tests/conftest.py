@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import psutil
 import pytest
 from IPython.testing.globalipapp import start_ipython
@@ -18,21 +20,36 @@ def ip():
     shell.run_line_magic("unload_ext", "ddp_magics")
 
 
-@pytest.fixture(scope="session")
-def magics(ip) -> DistributedMagics:
+def current_magics(ip) -> DistributedMagics:
+    """The loaded extension's magics (a reload, as test_shutdown does, makes a new instance)."""
     return next(m for m in ip.configurables if isinstance(m, DistributedMagics))
 
 
+@pytest.fixture
+def magics(ip) -> DistributedMagics:
+    return current_magics(ip)
+
+
+@contextmanager
+def running_cluster(ip, world_size: int):
+    """A running gloo cluster of ``world_size`` ranks, stopped (and checked gone) afterwards."""
+    with capture_output():
+        ip.run_line_magic("dist_start", f"-n {world_size} --backend gloo")
+    magics = current_magics(ip)
+    try:
+        yield magics
+    finally:
+        processes = magics.cluster.processes() if magics.cluster else []
+        with capture_output():
+            ip.run_line_magic("dist_stop", "")
+        assert_gone(processes)
+
+
 @pytest.fixture(scope="module")
-def cluster(ip, magics):
-    """A running 2-rank gloo cluster, stopped (and checked gone) after the module."""
-    with capture_output():
-        ip.run_line_magic("dist_start", "-n 2 --backend gloo")
-    yield magics
-    processes = magics.cluster.processes() if magics.cluster else []
-    with capture_output():
-        ip.run_line_magic("dist_stop", "")
-    assert_gone(processes)
+def cluster(ip):
+    """A running 2-rank gloo cluster for the module."""
+    with running_cluster(ip, 2) as magics:
+        yield magics
 
 
 @pytest.fixture

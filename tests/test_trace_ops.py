@@ -8,10 +8,9 @@ equal what ``simulated_trace`` computes for the same inputs, and inspects the dr
 from __future__ import annotations
 
 import pytest
-from IPython.utils.capture import capture_output
 
 from ddp_magics.trace import simulated_trace
-from tests.conftest import assert_gone, run_cell, shown_text
+from tests.conftest import run_cell, running_cluster, shown_text
 
 WORLD = 4
 OTHERS_TO = {dst: [(src, dst) for src in range(WORLD) if src != dst] for dst in range(WORLD)}
@@ -20,14 +19,9 @@ ALL_PAIRS = [(a, b) for a in range(WORLD) for b in range(WORLD) if a != b]
 
 
 @pytest.fixture(scope="module")
-def cluster4(ip, magics):
-    with capture_output():
-        ip.run_line_magic("dist_start", f"-n {WORLD} --backend gloo")
-    yield magics
-    processes = magics.cluster.processes()
-    with capture_output():
-        ip.run_line_magic("dist_stop", "")
-    assert_gone(processes)
+def cluster4(ip):
+    with running_cluster(ip, WORLD) as magics:
+        yield magics
 
 
 def traced(ip, cell: str):
@@ -161,16 +155,16 @@ def test_values_before_and_after_are_the_real_ones(ip, cluster4):
     assert events[0].primary.dtype == "float32"
 
 
-def test_large_tensors_keep_shape_not_values(ip, cluster4, magics):
+def test_large_tensors_keep_shape_not_values(ip, cluster4):
     trace, _ = traced(ip, "t = torch.ones(4, 5)\ndist.all_reduce(t)")  # 20 elements > 16
     event = trace.steps[0].events[0]
     assert event.before[0].values is None and event.before[0].shape == (4, 5)
     assert "<4x5 float32> -> <4x5 float32>" in trace.text()
-    magics.trace_values_limit = 32
+    cluster4.trace_values_limit = 32
     try:
         trace, _ = traced(ip, "t = torch.ones(4, 5)\ndist.all_reduce(t)")
     finally:
-        magics.trace_values_limit = 16
+        cluster4.trace_values_limit = 16
     assert trace.steps[0].events[0].after[0].values == (4.0,) * 20
 
 
