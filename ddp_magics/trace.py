@@ -15,6 +15,7 @@ orders everything into steps that ``diagrams.py`` draws.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import itertools
@@ -25,6 +26,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import NamedTuple
 
 from ddp_magics.errors import rank_label
 
@@ -82,8 +84,7 @@ WAIT = "wait"
 RUNNING, WAITING, DONE, ERROR = "running", "waiting", "done", "error"
 
 
-@dataclass(frozen=True)
-class TensorInfo:
+class TensorInfo(NamedTuple):
     shape: tuple[int, ...]
     dtype: str
     values: tuple | None = None  # flat values when the tensor is small enough
@@ -278,12 +279,11 @@ class Tracer:
         if spec.root:
             event.root = self._global_rank(arguments, spec.root, group_object)
         if spec.has_reduce_op:
-            reduce_op = arguments.get("op", self._dist.ReduceOp.SUM)
-            event.reduce_op = getattr(reduce_op, "name", str(reduce_op))
-        if spec.primary and isinstance(arguments.get(spec.primary), self._torch.Tensor):
-            tensor = arguments[spec.primary]
-            event.primary = TensorInfo(tuple(tensor.shape), _dtype_name(tensor))
+            event.reduce_op = _reduce_op_name(arguments.get("op", self._dist.ReduceOp.SUM))
         event.before = self._tensors(arguments, spec.inputs)
+        primary = arguments.get(spec.primary) if spec.primary else None
+        if isinstance(primary, self._torch.Tensor):
+            event.primary = TensorInfo(tuple(primary.shape), _dtype_name(primary))
         self.events.append(event)
         return event
 
@@ -324,18 +324,22 @@ class Tracer:
         return self._dist.get_global_rank(group if group is not None else self._dist.group.WORLD, group_rank)
 
     def _tensors(self, arguments: dict, names: tuple[str, ...]) -> tuple[TensorInfo, ...]:
+        tensor_type = self._torch.Tensor
         infos = []
         for name in names:
             value = arguments.get(name)
-            tensors = value if isinstance(value, (list, tuple)) else [value]
-            infos.extend(self._info(tensor) for tensor in tensors if isinstance(tensor, self._torch.Tensor))
+            if isinstance(value, tensor_type):
+                infos.append(self._info(value))
+            elif isinstance(value, (list, tuple)):
+                infos.extend(self._info(tensor) for tensor in value if isinstance(tensor, tensor_type))
         return tuple(infos)
 
     def _info(self, tensor) -> TensorInfo:
-        values = None
         if tensor.numel() <= self.values_limit:
-            values = tuple(tensor.detach().reshape(-1).tolist())
-        return TensorInfo(tuple(tensor.shape), _dtype_name(tensor), values)
+            return TensorInfo(
+                tuple(tensor.shape), _dtype_name(tensor), tuple(tensor.detach().reshape(-1).tolist())
+            )
+        return TensorInfo(tuple(tensor.shape), _dtype_name(tensor))
 
 
 class TracedWork:
@@ -386,8 +390,26 @@ class TracedWork:
         return f"<traced {self._event.op} handle: {self._work!r}>"
 
 
+_DTYPE_NAMES: dict = {}
+_REDUCE_OP_NAMES: dict = {}
+
+
 def _dtype_name(tensor) -> str:
-    return str(tensor.dtype).removeprefix("torch.")
+    dtype = tensor.dtype
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+def _reduce_op_name(reduce_op) -> str:
+    try:
+        return _REDUCE_OP_NAMES[reduce_op]
+    except (KeyError, TypeError):  # a new op, or one that cannot be a key (a premul_sum ReduceOp)
+        name = getattr(reduce_op, "name", None) or str(reduce_op)
+        with contextlib.suppress(TypeError):
+            _REDUCE_OP_NAMES[reduce_op] = name
+        return name
 
 
 def cell_line() -> int | None:
