@@ -502,8 +502,8 @@ class Step:
         if self.kind == TRANSFER:
             send, recv = self.send, self.recv
             return f"{send.op}/{recv.op}" if send and recv else (send or recv).op
-        ops = [event.op for event in self.events.values()]
-        return max(set(ops), key=ops.count) if ops else "?"
+        ops = [self.events[rank].op for rank in self.ranks]
+        return "/".join(dict.fromkeys(ops))  # "all_reduce", or "all_reduce/broadcast" if ranks differ
 
     @property
     def send(self) -> TraceEvent | None:
@@ -563,6 +563,8 @@ class Step:
 
 def _collective_title(step: Step) -> str:
     first = step.events[step.ranks[0]]
+    if len({event.op for event in step.events.values()}) > 1:
+        return f"{step.op} on {group_label(step.group)} (ranks called different collectives)"
     words = [step.op]
     if first.reduce_op:
         words.append(first.reduce_op)
