@@ -96,6 +96,8 @@ def test_collectives_in_different_orders_across_groups_fall_back_to_call_order()
 def test_different_ops_are_not_also_reported_as_different_shapes():
     trace = Trace({0: [event(0, 1, "all_reduce", group=(0, 1))], 1: [event(1, 1, "barrier", group=(0, 1))]})
     assert [m.kind for m in trace.mismatches] == [DIFFERENT_OPS]
+    assert trace.steps[0].title() == "all_reduce/barrier on ranks 0,1 (ranks called different collectives)"
+    assert trace.steps[0].flows() == []  # no arrows: the ranks did not agree on what moves
 
 
 def test_simulated_trace_is_a_trace_without_mismatches():
