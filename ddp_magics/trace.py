@@ -3,10 +3,9 @@
 Engine side: ``start_trace`` wraps the communication functions of ``torch.distributed`` for the
 next cell and unwraps them when that cell ends (IPython's ``post_execute``). Every call becomes a
 :class:`TraceEvent` (plain, picklable data) kept in memory and written to ``rankN.trace`` in the
-cluster's directory when the cell ends. While the cell runs, a thread watches for a request file,
-so the events of a cell that blocks in C code can still be read: the notebook creates
-``rankN.request``, the thread writes ``rankN.trace`` and removes the request. When tracing is off
-nothing is wrapped and no thread runs.
+cluster's directory when the cell ends. The events of a cell that blocks in C code can still be
+read: the notebook writes a byte to the FIFO ``rankN.request`` and a thread of the engine, asleep
+on it otherwise, writes ``rankN.trace``. When tracing is off nothing is wrapped.
 
 Notebook side: :class:`Trace` merges the ranks' events. It pairs each send with its recv, lines
 up each group's collectives by their order on every rank, names mismatches in plain words and
@@ -32,8 +31,7 @@ from ddp_magics.errors import rank_label
 
 DEFAULT_VALUES_LIMIT = 16
 TRACE_FILE = "rank{rank}.trace"
-REQUEST_FILE = "rank{rank}.request"
-WATCH_SECONDS = 0.05  # how often the snapshot thread looks for a request
+REQUEST_FILE = "rank{rank}.request"  # a FIFO: a byte written to it asks for a snapshot
 
 
 # --------------------------------------------------------------------------- what a call records
@@ -189,10 +187,7 @@ class Tracer:
         self._originals: dict[str, object] = {}
         self._groups: dict[int, tuple[object, tuple[int, ...], str]] = {}
         self._nested = False
-        self._snapshot_path = Path(directory) / TRACE_FILE.format(rank=self.rank)
-        self._request_path = Path(directory) / REQUEST_FILE.format(rank=self.rank)
-        self._stopped = threading.Event()
-        self._watcher = threading.Thread(target=self._watch_requests, daemon=True)
+        self.snapshot_path = Path(directory) / TRACE_FILE.format(rank=self.rank)
 
     # ---------------------------------------------------------------- install / remove
     def install(self) -> None:
@@ -201,29 +196,20 @@ class Tracer:
             self._originals[name] = original
             setattr(self._dist, name, self._wrap(name, original))
         self.active = True
-        self._snapshot_path.unlink(missing_ok=True)
-        self._watcher.start()
+        self.snapshot_path.unlink(missing_ok=True)
 
     def remove(self) -> None:
         for name, original in self._originals.items():
             setattr(self._dist, name, original)
         self._originals.clear()
         self.active = False
-        self._stopped.set()
-        self._watcher.join()
         self.write_snapshot()  # the final state, for the ranks of a cell that others did not finish
 
-    def _watch_requests(self) -> None:
-        """Write a snapshot of the events whenever the notebook asks (runs while the cell does)."""
-        while not self._stopped.wait(WATCH_SECONDS):
-            if self._request_path.exists():
-                self.write_snapshot()
-                self._request_path.unlink(missing_ok=True)
-
     def write_snapshot(self) -> None:
-        partial = self._snapshot_path.with_suffix(".partial")
+        # The snapshot thread and the main thread (at the cell's end) may both write one.
+        partial = self.snapshot_path.with_name(f"{self.snapshot_path.name}.{threading.get_ident()}.partial")
         partial.write_bytes(pickle.dumps(list(self.events), protocol=pickle.HIGHEST_PROTOCOL))
-        os.replace(partial, self._snapshot_path)
+        os.replace(partial, self.snapshot_path)
 
     # ---------------------------------------------------------------- recording
     def _wrap(self, name: str, original):
@@ -437,8 +423,32 @@ def start_trace(directory: str, values_limit: int = DEFAULT_VALUES_LIMIT) -> Non
     if _tracer is not None and _tracer.active:
         _stop_trace()
     _tracer = Tracer(directory, values_limit)
+    _start_snapshot_server(Path(directory), _tracer.rank)
     _tracer.install()
     get_ipython().events.register("post_execute", _stop_trace)
+
+
+_snapshot_server: threading.Thread | None = None
+
+
+def _start_snapshot_server(directory: Path, rank: int) -> None:
+    """Once per engine: a thread that writes a snapshot of the current trace whenever a byte
+    arrives on the rank's request FIFO. It sleeps in ``read`` (no polling, the GIL released),
+    and runs while the main thread is blocked in C code."""
+    global _snapshot_server
+    if _snapshot_server is not None:
+        return
+    fifo = directory / REQUEST_FILE.format(rank=rank)
+    os.mkfifo(fifo, 0o600)
+    descriptor = os.open(fifo, os.O_RDWR)  # read-write: opening does not wait for a writer
+
+    def serve() -> None:
+        while os.read(descriptor, 64):
+            if _tracer is not None:
+                _tracer.write_snapshot()
+
+    _snapshot_server = threading.Thread(target=serve, name="ddp_magics trace snapshots", daemon=True)
+    _snapshot_server.start()
 
 
 def _stop_trace() -> None:
@@ -459,14 +469,22 @@ def read_snapshots(
     Ranks that finished the cell wrote their final snapshot; ``still_running`` ranks are asked
     for one. A rank that does not answer within ``wait`` seconds gives [].
     """
-    requests = [directory / REQUEST_FILE.format(rank=rank) for rank in still_running]
-    for path in requests:
-        path.touch()
+    asked = []
+    for rank in still_running:
+        snapshot = directory / TRACE_FILE.format(rank=rank)
+        snapshot.unlink(missing_ok=True)
+        try:
+            descriptor = os.open(directory / REQUEST_FILE.format(rank=rank), os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:  # no FIFO, or nobody reading it: this rank never traced
+            continue
+        try:
+            os.write(descriptor, b"s")
+        finally:
+            os.close(descriptor)
+        asked.append(snapshot)
     deadline = time.monotonic() + wait
-    while any(path.exists() for path in requests) and time.monotonic() < deadline:
+    while not all(path.exists() for path in asked) and time.monotonic() < deadline:
         time.sleep(0.01)
-    for path in requests:
-        path.unlink(missing_ok=True)
     snapshots = {}
     for rank in ranks:
         try:
