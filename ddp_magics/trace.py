@@ -47,6 +47,16 @@ class OpSpec:
     has_reduce_op: bool = False
     p2p: bool = False
 
+    @property
+    def inputs_primary(self) -> str | None:
+        """The input argument, when there is exactly one."""
+        return self.inputs[0] if len(self.inputs) == 1 else None
+
+    @property
+    def in_place(self) -> bool:
+        """Writes its result into its input (all_reduce, broadcast, recv, ...)."""
+        return self.outputs == self.inputs
+
 
 OPS: dict[str, OpSpec] = {
     "send": OpSpec(inputs=("tensor",), primary="tensor", peer="dst", p2p=True),
@@ -257,7 +267,7 @@ class Tracer:
             group_name=group_name,
             tag=arguments.get("tag", 0),
             async_op=bool(arguments.get("async_op", name in ("isend", "irecv"))),
-            line=cell_line(),
+            line=cell_line(3),  # cell_line <- _begin <- traced <- the caller
             start=time.time(),
         )
         if spec.peer:
@@ -265,16 +275,23 @@ class Tracer:
         if spec.root:
             event.root = self._global_rank(arguments, spec.root, group_object)
         if spec.has_reduce_op:
-            event.reduce_op = _reduce_op_name(arguments.get("op", self._dist.ReduceOp.SUM))
-        event.before = self._tensors(arguments, spec.inputs)
-        primary = arguments.get(spec.primary) if spec.primary else None
-        if isinstance(primary, self._torch.Tensor):
-            event.primary = TensorInfo(tuple(primary.shape), _dtype_name(primary))
+            reduce_op = arguments.get("op")
+            event.reduce_op = "SUM" if reduce_op is None else _reduce_op_name(reduce_op)
+        event.before = before = self._tensors(arguments, spec.inputs)
+        if spec.primary == spec.inputs_primary and before:
+            event.primary = before[0] if before[0].values is None else before[0]._replace(values=None)
+        elif spec.primary:
+            primary = arguments.get(spec.primary)
+            if isinstance(primary, self._torch.Tensor):
+                event.primary = TensorInfo(tuple(primary.shape), _dtype_name(primary))
         self.events.append(event)
         return event
 
     def _complete(self, event: TraceEvent, spec: OpSpec, arguments: dict) -> None:
-        event.after = self._tensors(arguments, spec.outputs)
+        if spec.in_place and all(info.values is None for info in event.before):
+            event.after = event.before  # same tensors, too large to keep values: nothing new
+        else:
+            event.after = self._tensors(arguments, spec.outputs)
         event.end = time.time()
         event.status = DONE
 
@@ -350,7 +367,7 @@ class TracedWork:
             before=(),
             after=None,
             async_op=False,
-            line=cell_line(),
+            line=cell_line(2),  # cell_line <- wait <- the caller
             start=time.time(),
             status=RUNNING,
         )
@@ -398,10 +415,16 @@ def _reduce_op_name(reduce_op) -> str:
         return name
 
 
-def cell_line() -> int | None:
-    """The line of the running cell that led to this call (in the cell, or a function it defines)."""
+def cell_line(depth: int) -> int | None:
+    """The line of the running cell that led to this call (in the cell, or a function it defines).
+
+    ``depth`` frames up from here is the code that made the traced call.
+    """
+    frame = sys._getframe(depth)
+    back = frame.f_back
+    if back is not None and back.f_code.co_name == "run_code":  # called from the cell itself
+        return frame.f_lineno
     frames = []
-    frame = sys._getframe(2)
     while frame is not None:
         frames.append(frame)
         back = frame.f_back

@@ -225,6 +225,9 @@ def test_async_collective_records_its_wait(ip, cluster4):
     assert collective.op == "all_reduce" and all(e.async_op for e in collective.events.values())
     assert {e.after[0].values for e in collective.events.values()} == {(6.0,)}
     assert waits.title() == "wait for all_reduce SUM on ranks 0-3" and waits.ranks == [0, 1, 2, 3]
+    assert {e.line for e in collective.events.values()} == {2} and {
+        e.line for e in waits.events.values()
+    } == {3}
 
 
 def test_subgroup_collectives_are_matched_per_group(ip, cluster4):
