@@ -7,6 +7,7 @@ raised as the exceptions defined below.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -373,11 +374,18 @@ def _processes_with_children(pids: Iterable[int]) -> list[psutil.Process]:
     return processes
 
 
-def _wait_for_exit(processes: list[psutil.Process], timeout: float = 10.0) -> None:
-    """Wait for stopped processes to exit; kill, by PID, any still there after ``timeout``."""
-    _, alive = psutil.wait_procs(processes, timeout=timeout)
+def _wait_for_exit(processes: list[psutil.Process], grace: float = 0.5, timeout: float = 3.0) -> None:
+    """Make sure stopped processes exit, by PID: after ``grace`` seconds SIGTERM the ones left
+    (engine nannies otherwise linger about 5 s after their engine), after ``timeout`` more SIGKILL
+    (an engine blocked in a gloo collective ignores SIGTERM)."""
+    _, alive = psutil.wait_procs(processes, timeout=grace)
     for process in alive:
-        process.kill()
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.terminate()
+    _, alive = psutil.wait_procs(alive, timeout=timeout)
+    for process in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
     psutil.wait_procs(alive, timeout=timeout)
 
 
