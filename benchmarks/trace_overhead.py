@@ -14,7 +14,7 @@ processes on a busy machine).
 
 Target: median(on) / median(off) <= 1.05 for the loop.  Exits 1 if it is missed.
 
-    .venv/bin/python benchmarks/trace_overhead.py                 # 15 repetitions
+    .venv/bin/python benchmarks/trace_overhead.py                 # 41 repetitions
     .venv/bin/python benchmarks/trace_overhead.py --repeats 3     # quick check
 """
 
@@ -55,7 +55,7 @@ def run(shell: InteractiveShell, traced: bool) -> tuple[float, float, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=41)
     args = parser.parse_args()
 
     shell = InteractiveShell.instance()

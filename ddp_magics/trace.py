@@ -195,7 +195,7 @@ class Tracer:
         self.active = False
         self._seq = itertools.count(1)
         self._originals: dict[str, object] = {}
-        self._groups: dict[int, tuple[object, tuple[int, ...], str]] = {}
+        self._groups: dict[int, tuple[object, tuple[int, ...] | None, str | None]] = {}
         self._nested = False
         self.snapshot_path = Path(directory) / TRACE_FILE.format(rank=self.rank)
 
@@ -223,18 +223,60 @@ class Tracer:
 
     # ---------------------------------------------------------------- recording
     def _wrap(self, name: str, original):
+        # Runs between two communication calls, when the CPU caches hold the tensors' data rather
+        # than this code: so as few lookups and calls as possible.
         spec = OPS[name]
-        parameter_names = list(inspect.signature(original).parameters)
+        parameter_names = tuple(inspect.signature(original).parameters)
+        get_frame, now, groups, events, sequence = (
+            sys._getframe,
+            time.time,
+            self._groups,
+            self.events,
+            self._seq,
+        )
+        tensors, rank = self._tensors, self.rank
+        default_async = name in ("isend", "irecv")
+        primary_is_input = spec.primary is not None and spec.primary == spec.inputs_primary
 
         @functools.wraps(original)
         def traced(*args, **kwargs):
             if self._nested:  # a traced function calling another: record the outer call only
                 return original(*args, **kwargs)
             arguments = dict(zip(parameter_names, args))
-            arguments.update(kwargs)
-            event = self._begin(name, spec, arguments)
-            if event is None:
+            if kwargs:
+                arguments.update(kwargs)
+            group_object = arguments.get("group")
+            group = groups.get(id(group_object)) or self._group(group_object)
+            if group[1] is None:  # this rank is not in the group: torch makes the call a no-op
                 return original(*args, **kwargs)
+            caller = get_frame(1)
+            back = caller.f_back
+            line = caller.f_lineno if back is not None and back.f_code.co_name == "run_code" else cell_line(2)
+            before = tensors(arguments, spec.inputs)
+            event = TraceEvent(
+                rank,
+                next(sequence),
+                name,
+                group[1],
+                group[2],
+                tag=arguments.get("tag", 0),
+                before=before,
+                async_op=arguments.get("async_op", default_async),
+                line=line,
+                start=now(),
+            )
+            if spec.peer:
+                event.peer = self._global_rank(arguments, spec.peer, group_object)
+            if spec.root:
+                event.root = self._global_rank(arguments, spec.root, group_object)
+            if spec.has_reduce_op:
+                reduce_op = arguments.get("op")
+                event.reduce_op = "SUM" if reduce_op is None else _reduce_op_name(reduce_op)
+            if primary_is_input and before:
+                event.primary = before[0] if before[0].values is None else before[0]._replace(values=None)
+            elif spec.primary and not primary_is_input:
+                event.primary = self._shape_of(arguments.get(spec.primary))
+            events.append(event)
             self._nested = True
             try:
                 result = original(*args, **kwargs)
@@ -253,39 +295,10 @@ class Tracer:
 
         return traced
 
-    def _begin(self, name: str, spec: OpSpec, arguments: dict) -> TraceEvent | None:
-        group_object = arguments.get("group")
-        group = self._group(group_object)
-        if group is None:  # this rank is not in the group: torch makes the call a no-op
-            return None
-        group_ranks, group_name = group
-        event = TraceEvent(
-            rank=self.rank,
-            seq=next(self._seq),
-            op=name,
-            group=group_ranks,
-            group_name=group_name,
-            tag=arguments.get("tag", 0),
-            async_op=bool(arguments.get("async_op", name in ("isend", "irecv"))),
-            line=cell_line(3),  # cell_line <- _begin <- traced <- the caller
-            start=time.time(),
-        )
-        if spec.peer:
-            event.peer = self._global_rank(arguments, spec.peer, group_object)
-        if spec.root:
-            event.root = self._global_rank(arguments, spec.root, group_object)
-        if spec.has_reduce_op:
-            reduce_op = arguments.get("op")
-            event.reduce_op = "SUM" if reduce_op is None else _reduce_op_name(reduce_op)
-        event.before = before = self._tensors(arguments, spec.inputs)
-        if spec.primary == spec.inputs_primary and before:
-            event.primary = before[0] if before[0].values is None else before[0]._replace(values=None)
-        elif spec.primary:
-            primary = arguments.get(spec.primary)
-            if isinstance(primary, self._torch.Tensor):
-                event.primary = TensorInfo(tuple(primary.shape), _dtype_name(primary))
-        self.events.append(event)
-        return event
+    def _shape_of(self, tensor) -> TensorInfo | None:
+        if isinstance(tensor, self._torch.Tensor):
+            return TensorInfo(tuple(tensor.shape), _dtype_name(tensor))
+        return None
 
     def _complete(self, event: TraceEvent, spec: OpSpec, arguments: dict) -> None:
         if spec.in_place and all(info.values is None for info in event.before):
@@ -301,21 +314,16 @@ class Tracer:
         event.end = time.time()
         event.status = ERROR
 
-    def _group(self, group) -> tuple[tuple[int, ...], str] | None:
-        key = id(group)
-        cached = self._groups.get(key)
-        if cached is None:
-            dist = self._dist
-            if group is dist.GroupMember.NON_GROUP_MEMBER:
-                return None
-            process_group = group if group is not None else dist.group.WORLD
-            cached = (
-                group,  # kept so that its id is not reused while cached
-                tuple(dist.get_process_group_ranks(process_group)),
-                process_group.group_name,
-            )
-            self._groups[key] = cached
-        return cached[1], cached[2]
+    def _group(self, group) -> tuple[object, tuple[int, ...] | None, str | None]:
+        """(group, its global ranks, its name), cached; ranks None if this rank is not a member."""
+        dist = self._dist
+        if group is dist.GroupMember.NON_GROUP_MEMBER:
+            return (group, None, None)
+        process_group = group if group is not None else dist.group.WORLD
+        # The group object is kept in the entry so that its id is not reused while cached.
+        entry = (group, tuple(dist.get_process_group_ranks(process_group)), process_group.group_name)
+        self._groups[id(group)] = entry
+        return entry
 
     def _global_rank(self, arguments: dict, name: str, group) -> int | None:
         value = arguments.get(name)
