@@ -23,6 +23,7 @@ import pickle
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
@@ -197,6 +198,7 @@ class Tracer:
         self._originals: dict[str, object] = {}
         self._groups: dict[int, tuple[object, tuple[int, ...] | None, str | None]] = {}
         self._nested = False
+        self._known: dict[int, tuple] = {}  # id -> (weak reference, TensorInfo without values, small)
         self.snapshot_path = Path(directory) / TRACE_FILE.format(rank=self.rank)
 
     # ---------------------------------------------------------------- install / remove
@@ -346,11 +348,18 @@ class Tracer:
         return tuple(infos)
 
     def _info(self, tensor) -> TensorInfo:
-        if tensor.numel() <= self.values_limit:
-            return TensorInfo(
-                tuple(tensor.shape), _dtype_name(tensor), tuple(tensor.detach().reshape(-1).tolist())
-            )
-        return TensorInfo(tuple(tensor.shape), _dtype_name(tensor))
+        # Reading a tensor's shape and dtype costs more than the rest of a traced call, so a tensor
+        # communicated again (a gradient bucket, a reused buffer) is described once per cell; the
+        # weak reference tells a new tensor that got an old id. (A tensor resized in place between
+        # two calls of one cell keeps its first shape in the trace.)
+        known = self._known.get(id(tensor))
+        if known is None or known[0]() is not tensor:
+            small = tensor.numel() <= self.values_limit
+            known = (weakref.ref(tensor), TensorInfo(tuple(tensor.shape), _dtype_name(tensor)), small)
+            self._known[id(tensor)] = known
+        if known[2]:
+            return known[1]._replace(values=tuple(tensor.detach().reshape(-1).tolist()))
+        return known[1]
 
 
 class TracedWork:
