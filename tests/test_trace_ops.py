@@ -271,3 +271,19 @@ def test_diagram_of_a_cell_without_calls_says_so(ip, cluster4):
     captured, error = run_cell(ip, "--diagram", "x = 1")
     assert error is None
     assert "the cell made no torch.distributed calls" in captured.stdout
+
+
+def test_tensors_reused_or_replaced_are_described_per_call(ip, cluster4):
+    trace, _ = traced(
+        ip,
+        "t = torch.ones(1)\n"
+        "dist.all_reduce(t)\n"
+        "dist.all_reduce(t)\n"  # the same small tensor: new values each call
+        "for n in (20, 30):\n"
+        "    big = torch.ones(n)\n"  # a new tensor, possibly at the old one's address
+        "    dist.all_reduce(big)\n",
+    )
+    first, second, third, fourth = (step.events[0] for step in trace.steps)
+    assert (first.before[0].values, first.after[0].values) == ((1.0,), (4.0,))
+    assert (second.before[0].values, second.after[0].values) == ((4.0,), (16.0,))
+    assert (third.primary.shape, fourth.primary.shape) == ((20,), (30,))
