@@ -123,11 +123,26 @@ class BlockedRank:
             lines.append(f"    line {self.cell_line}: {self.source_line}")
         if self.frames:
             lines.append("    Python stack, most recent call last:")
-            lines.extend(
-                f'      File "{frame.filename}", line {frame.line}, in {frame.function}'
-                for frame in self.frames
-            )
+            cell_file = self.frames[0].filename
+            for frame in self.frames:
+                where = short_path(frame.filename, cell_file)
+                lines.append(f'      File "{where}", line {frame.line}, in {frame.function}')
         return lines
+
+
+def short_path(filename: str, cell_file: str) -> str:
+    """``<cell>`` for the cell's own code, ``torch/distributed/...`` for installed packages:
+    the part that says what the code is, without this machine's directories."""
+    if filename == cell_file:
+        return "<cell>"
+    for marker in ("/site-packages/", "/dist-packages/"):
+        if marker in filename:
+            return filename.split(marker, 1)[1]
+    standard_library = _STANDARD_LIBRARY.search(filename)
+    return filename[standard_library.end() :] if standard_library else filename
+
+
+_STANDARD_LIBRARY = re.compile(r"/lib/python\d+\.\d+/")
 
 
 # ------------------------------------------------------------------ cell failures

@@ -29,6 +29,10 @@ def test_hang_is_reported_with_line_and_call_then_restart_recovers(ip, healthy):
     report = error._render_traceback_()
     assert "[rank 0] still running, in recv at cell line 4" in report
     assert "    line 4: dist.recv(t, src=1)" in report
+    # Stack lines name the cell and the package file, not this machine's directories.
+    assert '      File "<cell>", line 4, in <module>' in report
+    assert any(line.startswith('      File "torch/distributed/distributed_c10d.py"') for line in report)
+    assert not any('File "/' in line for line in report)
     assert "[rank 1] finished" in report
     assert report[-1].startswith("Run %dist_restart")
 
