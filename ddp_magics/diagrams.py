@@ -82,9 +82,6 @@ class Diagram:
     def __repr__(self) -> str:
         return self.text
 
-    def save(self, path: str) -> None:
-        self.figure.savefig(path, bbox_inches="tight")
-
 
 # --------------------------------------------------------------------------- entry points
 def draw_trace(trace: Trace, step: int | None = None, timeline: bool | None = None) -> Diagram:
