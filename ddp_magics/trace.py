@@ -49,11 +49,6 @@ class OpSpec:
     p2p: bool = False
 
     @property
-    def inputs_primary(self) -> str | None:
-        """The input argument, when there is exactly one."""
-        return self.inputs[0] if len(self.inputs) == 1 else None
-
-    @property
     def in_place(self) -> bool:
         """Writes its result into its input (all_reduce, broadcast, recv, ...)."""
         return self.outputs == self.inputs
@@ -229,16 +224,9 @@ class Tracer:
         # than this code: so as few lookups and calls as possible.
         spec = OPS[name]
         parameter_names = tuple(inspect.signature(original).parameters)
-        get_frame, now, groups, events, sequence = (
-            sys._getframe,
-            time.time,
-            self._groups,
-            self.events,
-            self._seq,
-        )
+        now, groups, events, sequence = time.time, self._groups, self.events, self._seq
         tensors, rank = self._tensors, self.rank
         default_async = name in ("isend", "irecv")
-        primary_is_input = spec.primary is not None and spec.primary == spec.inputs_primary
 
         @functools.wraps(original)
         def traced(*args, **kwargs):
@@ -251,9 +239,6 @@ class Tracer:
             group = groups.get(id(group_object)) or self._group(group_object)
             if group[1] is None:  # this rank is not in the group: torch makes the call a no-op
                 return original(*args, **kwargs)
-            caller = get_frame(1)
-            back = caller.f_back
-            line = caller.f_lineno if back is not None and back.f_code.co_name == "run_code" else cell_line(2)
             before = tensors(arguments, spec.inputs)
             event = TraceEvent(
                 rank,
@@ -264,7 +249,7 @@ class Tracer:
                 tag=arguments.get("tag", 0),
                 before=before,
                 async_op=arguments.get("async_op", default_async),
-                line=line,
+                line=cell_line(2),  # cell_line <- traced <- the caller
                 start=now(),
             )
             if spec.peer:
@@ -274,10 +259,8 @@ class Tracer:
             if spec.has_reduce_op:
                 reduce_op = arguments.get("op")
                 event.reduce_op = "SUM" if reduce_op is None else _reduce_op_name(reduce_op)
-            if primary_is_input and before:
-                event.primary = before[0] if before[0].values is None else before[0]._replace(values=None)
-            elif spec.primary and not primary_is_input:
-                event.primary = self._shape_of(arguments.get(spec.primary))
+            if spec.primary:
+                event.primary = self._layout_of(arguments.get(spec.primary))
             events.append(event)
             self._nested = True
             try:
@@ -297,9 +280,10 @@ class Tracer:
 
         return traced
 
-    def _shape_of(self, tensor) -> TensorInfo | None:
+    def _layout_of(self, tensor) -> TensorInfo | None:
+        """Shape and dtype only (what must agree across a group)."""
         if isinstance(tensor, self._torch.Tensor):
-            return TensorInfo(tuple(tensor.shape), _dtype_name(tensor))
+            return self._known_info(tensor)[1]
         return None
 
     def _complete(self, event: TraceEvent, spec: OpSpec, arguments: dict) -> None:
@@ -347,16 +331,23 @@ class Tracer:
                 infos.extend(self._info(tensor) for tensor in value if isinstance(tensor, tensor_type))
         return tuple(infos)
 
-    def _info(self, tensor) -> TensorInfo:
-        # Reading a tensor's shape and dtype costs more than the rest of a traced call, so a tensor
-        # communicated again (a gradient bucket, a reused buffer) is described once per cell; the
-        # weak reference tells a new tensor that got an old id. (A tensor resized in place between
-        # two calls of one cell keeps its first shape in the trace.)
+    def _known_info(self, tensor) -> tuple:
+        """(weak reference, TensorInfo without values, small enough for values), cached.
+
+        Reading a tensor's shape and dtype costs more than the rest of a traced call, so a tensor
+        communicated again (a gradient bucket, a reused buffer) is described once per cell; the
+        weak reference tells a new tensor that got an old id. (A tensor resized in place between
+        two calls of one cell keeps its first shape in the trace.)
+        """
         known = self._known.get(id(tensor))
         if known is None or known[0]() is not tensor:
             small = tensor.numel() <= self.values_limit
             known = (weakref.ref(tensor), TensorInfo(tuple(tensor.shape), _dtype_name(tensor)), small)
             self._known[id(tensor)] = known
+        return known
+
+    def _info(self, tensor) -> TensorInfo:
+        known = self._known_info(tensor)
         if known[2]:
             return known[1]._replace(values=tuple(tensor.detach().reshape(-1).tolist()))
         return known[1]
