@@ -44,6 +44,7 @@ notebooks: install
 bench: install
 	-$(PY) benchmarks/cell_latency.py
 	-$(PY) benchmarks/trace_overhead.py
+	-$(PY) benchmarks/ring_allreduce.py
 	$(PY) benchmarks/startup.py
 
 clean:
