@@ -69,11 +69,17 @@ OPS: dict[str, OpSpec] = {
     "all_gather_into_tensor": OpSpec(
         inputs=("input_tensor",), outputs=("output_tensor",), primary="input_tensor"
     ),
+    # torch 2.13's name for all_gather_into_tensor (which it deprecates and forwards here)
+    "all_gather_single": OpSpec(inputs=("input_tensor",), outputs=("output_tensor",), primary="input_tensor"),
     "scatter": OpSpec(inputs=("scatter_list",), outputs=("tensor",), primary="tensor", root="src"),
     "reduce_scatter": OpSpec(
         inputs=("input_list",), outputs=("output",), primary="output", has_reduce_op=True
     ),
     "reduce_scatter_tensor": OpSpec(
+        inputs=("input",), outputs=("output",), primary="output", has_reduce_op=True
+    ),
+    # torch 2.13's name for reduce_scatter_tensor (which it deprecates and forwards here)
+    "reduce_scatter_single": OpSpec(
         inputs=("input",), outputs=("output",), primary="output", has_reduce_op=True
     ),
     "all_to_all": OpSpec(inputs=("input_tensor_list",), outputs=("output_tensor_list",)),
@@ -959,12 +965,12 @@ def simulated_trace(
         after = {r: [list(v) for v in values] if r == root else [] for r in group}
     elif op == "all_gather":
         after = {r: [list(v) for v in values] for r in group}
-    elif op == "all_gather_into_tensor":
+    elif op in ("all_gather_into_tensor", "all_gather_single"):
         after = {r: [[x for v in values for x in v]] for r in group}
     elif op == "scatter":
         before = {r: chunks(values[root]) if r == root else [] for r in group}
         after = {r: [chunks(values[root])[r]] for r in group}
-    elif op in ("reduce_scatter", "reduce_scatter_tensor"):
+    elif op in ("reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single"):
         split = [chunks(values[r]) for r in group]
         if op == "reduce_scatter":
             before = {r: split[r] for r in group}

@@ -73,6 +73,13 @@ CASES = {
         {},
         ALL_PAIRS,
     ),
+    "all_gather_single": (
+        "t = torch.tensor([10.0 * rank, 10.0 * rank + 1])\n"
+        "out = torch.zeros(2 * world_size)\n"
+        "dist.all_gather_single(out, t)",
+        {},
+        ALL_PAIRS,
+    ),
     "scatter": (
         "chunks = list(torch.arange(8.0).chunk(world_size)) if rank == 0 else None\n"
         "t = torch.zeros(2)\n"
@@ -89,6 +96,11 @@ CASES = {
     ),
     "reduce_scatter_tensor": (
         "t = torch.arange(8.0) + 10 * rank\nout = torch.zeros(2)\ndist.reduce_scatter_tensor(out, t)",
+        {},
+        ALL_PAIRS,
+    ),
+    "reduce_scatter_single": (
+        "t = torch.arange(8.0) + 10 * rank\nout = torch.zeros(2)\ndist.reduce_scatter_single(out, t)",
         {},
         ALL_PAIRS,
     ),
@@ -110,6 +122,7 @@ INPUTS = {
     "scatter": [[float(x) for x in range(8)], [], [], []],
     "reduce_scatter": [[10.0 * rank + i for i in range(8)] for rank in range(WORLD)],
     "reduce_scatter_tensor": [[10.0 * rank + i for i in range(8)] for rank in range(WORLD)],
+    "reduce_scatter_single": [[10.0 * rank + i for i in range(8)] for rank in range(WORLD)],
     "all_to_all": [[10.0 * rank + i for i in range(4)] for rank in range(WORLD)],
     "all_to_all_single": [[10.0 * rank + i for i in range(4)] for rank in range(WORLD)],
     "barrier": [[] for _ in range(WORLD)],
