@@ -263,19 +263,23 @@ def draw_timeline(trace: Trace) -> Diagram:
         }
         members = [rank for rank in step.group if rank in lanes]
         if step.kind == COLLECTIVE and members:
-            top, bottom, x = y_of(members[0]), y_of(members[-1]), x_of(step.column)
-            axes.add_patch(
-                FancyBboxPatch(
-                    (x - 0.75, bottom - 0.4),
-                    1.5,
-                    top - bottom + 0.8,
-                    boxstyle="round,pad=0.02",
-                    facecolor="#eef3fb",
-                    edgecolor="none",
-                    zorder=1,
-                    gid=f"collective:{number}",
+            x = x_of(step.column)
+            # One band per run of adjacent lanes: a group like ranks 0,2 must not cover rank 1's lane,
+            # where another group's collective may sit in the same column.
+            for run in _adjacent_runs(sorted(lanes[rank] for rank in members)):
+                top, bottom = -1.0 * run[0], -1.0 * run[-1]
+                axes.add_patch(
+                    FancyBboxPatch(
+                        (x - 0.75, bottom - 0.4),
+                        1.5,
+                        top - bottom + 0.8,
+                        boxstyle="round,pad=0.02",
+                        facecolor="#eef3fb",
+                        edgecolor="none",
+                        zorder=1,
+                        gid=f"collective:{number}",
+                    )
                 )
-            )
         for rank, event in drawn.items():
             mismatched = any(m.involves(event) for m in trace.mismatches)
             edge = MISMATCH_COLOR if mismatched else rank_color(rank)
@@ -350,6 +354,17 @@ def _timeline_notes(trace: Trace, lanes: dict[int, int], not_drawn: int) -> list
     return notes
 
 
+def _adjacent_runs(indices: list[int]) -> list[list[int]]:
+    """[0, 1, 3] -> [[0, 1], [3]]"""
+    runs: list[list[int]] = []
+    for index in indices:
+        if runs and index == runs[-1][-1] + 1:
+            runs[-1].append(index)
+        else:
+            runs.append([index])
+    return runs
+
+
 def _short_op(event: TraceEvent) -> str:
     if event.op == WAIT:
         return "wait"
@@ -357,7 +372,10 @@ def _short_op(event: TraceEvent) -> str:
         return f"{event.op}→{event.peer}"
     if event.op in ("recv", "irecv"):
         return f"{event.op}←{'?' if event.peer is None else event.peer}"
-    return event.op.replace("_into_tensor", "_into_t").replace("reduce_scatter", "red_scatter")
+    name = event.op.replace("_into_tensor", "_into_t").replace("reduce_scatter", "red_scatter")
+    if event.reduce_op and event.reduce_op != "SUM":
+        name += f" {event.reduce_op}"
+    return name
 
 
 def _short_values(event: TraceEvent) -> str:

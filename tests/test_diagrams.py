@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from ddp_magics.diagrams import draw_op
+from ddp_magics.diagrams import draw_op, draw_trace
 from ddp_magics.trace import DIFFERENT_OPS, DONE, Trace, TraceEvent, simulated_trace
 
 INPUTS = [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]]
@@ -106,3 +106,22 @@ def test_simulated_trace_is_a_trace_without_mismatches():
     for op in ("all_reduce", "all_gather", "send"):
         trace = simulated_trace(op, [[1.0, 2.0], [3.0, 4.0]])
         assert len(trace.steps) == 1 and not trace.mismatches
+
+
+def test_interleaved_groups_in_one_column_get_separate_bands_and_reduce_ops_are_named():
+    # ranks 0,2 and ranks 1,3 each all-reduce in their own group, at the same time (one column)
+    even, odd = dict(group=(0, 2), name="even"), dict(group=(1, 3), name="odd")
+    calls = {0: ("SUM", even), 1: ("MAX", odd), 2: ("SUM", even), 3: ("MAX", odd)}
+    trace = Trace(
+        {rank: [event(rank, 1, "all_reduce", reduce_op=op, **group)] for rank, (op, group) in calls.items()}
+    )
+    assert not trace.mismatches and {step.column for step in trace.steps} == {0}
+    diagram = draw_trace(trace, timeline=True)
+    for number, step in enumerate(trace.steps, 1):
+        bands = diagram.artists(f"collective:{number}")
+        assert len(bands) == 2  # one band per member lane: lanes are not adjacent
+        covered = {round(-(band.get_y() + band.get_height() / 2)) for band in bands}
+        assert covered == set(step.group)
+    labels = {artist.get_gid(): artist.get_text() for artist in diagram.artists("text:event:")}
+    assert labels["text:event:1:1"].splitlines()[0].endswith("all_reduce MAX")  # named unless SUM
+    assert labels["text:event:0:1"].splitlines()[0].endswith("all_reduce")
