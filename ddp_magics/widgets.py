@@ -153,8 +153,10 @@ def _ring_state(phase, number, transfers, values, sources) -> RingState:
 class RingStepper:
     """Walk the steps of a ring all-reduce: each rank's chunks, and what moved at each step.
 
-    In JupyterLab it shows as a widget (play, slider, previous/next); elsewhere, and for nbval, as the
-    text of its current step. ``text(step)`` and ``html(step)`` render any step.
+    In JupyterLab it shows as a widget (play, slider, previous/next) while its kernel runs; a saved
+    notebook reopened without re-running the cell shows "model not found" there, like any widget.
+    Frontends without widgets, nbconvert and nbval see the text of its current step.
+    ``text(step)`` and ``html(step)`` render any step.
     """
 
     def __init__(self, inputs: list[list[float]], interval_ms: int = 1500) -> None:
@@ -233,26 +235,34 @@ class RingStepper:
         )
 
     def widget(self):
-        """The ipywidgets view (built once): play, slider, previous/next and the current step."""
+        """The ipywidgets view (built once): play, slider, previous/next and the current step.
+
+        Every step is rendered up front into a ``Stack`` that the slider selects in the browser
+        (``jslink``), so play and the slider keep working while the kernel is busy; previous/next
+        are kernel callbacks.
+        """
         if self._widget is None:
             import ipywidgets
 
             last = len(self.states) - 1
-            view = ipywidgets.HTML(value=self.html())
+            pages = ipywidgets.Stack(
+                [ipywidgets.HTML(value=self.html(step)) for step in range(last + 1)], selected_index=self.step
+            )
             slider = ipywidgets.IntSlider(value=self.step, min=0, max=last, description="step")
             play = ipywidgets.Play(value=self.step, min=0, max=last, interval=self.interval_ms)
             ipywidgets.jslink((play, "value"), (slider, "value"))
+            ipywidgets.jslink((slider, "value"), (pages, "selected_index"))
             previous = ipywidgets.Button(description="previous", icon="step-backward")
             following = ipywidgets.Button(description="next", icon="step-forward")
 
             def show(change) -> None:
                 self.step = change["new"]
-                view.value = self.html()
+                pages.selected_index = self.step  # the browser already did; this keeps the kernel's copy
 
             slider.observe(show, names="value")
             previous.on_click(lambda _: setattr(slider, "value", max(0, slider.value - 1)))
             following.on_click(lambda _: setattr(slider, "value", min(last, slider.value + 1)))
-            self._widget = ipywidgets.VBox([ipywidgets.HBox([play, previous, following, slider]), view])
+            self._widget = ipywidgets.VBox([ipywidgets.HBox([play, previous, following, slider]), pages])
             self._slider = slider
         return self._widget
 

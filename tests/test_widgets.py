@@ -90,17 +90,19 @@ def test_widget_moves_through_the_steps():
     bundle = stepper._repr_mimebundle_()
     assert bundle["text/plain"] == stepper.text(0)
     assert bundle[WIDGET_MIMETYPE]["model_id"] == stepper.widget().model_id
-    controls, view = stepper.widget().children
+    controls, pages = stepper.widget().children
     play, previous, following, slider = controls.children
     assert (slider.max, play.max) == (4, 4)
+    assert [page.value for page in pages.children] == [stepper.html(step) for step in range(5)]
+    assert pages.selected_index == 0
 
     following.click()
     following.click()
-    assert stepper.step == 2 and view.value == stepper.html(2)
+    assert stepper.step == 2 and pages.selected_index == 2
     previous.click()
-    assert stepper.step == 1 and view.value == stepper.html(1)
+    assert stepper.step == 1 and pages.selected_index == 1
     stepper.show(4)
-    assert slider.value == 4 and view.value == stepper.html(4)
+    assert slider.value == 4 and pages.selected_index == 4
     following.click()  # already at the last step: stays there
     assert stepper.step == 4
     assert stepper._repr_mimebundle_()["text/plain"] == stepper.text(4)
