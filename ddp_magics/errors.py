@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from IPython.core.error import UsageError
 
@@ -135,6 +137,8 @@ def short_path(filename: str, cell_file: str) -> str:
     the part that says what the code is, without this machine's directories."""
     if filename == cell_file:
         return "<cell>"
+    if filename.startswith(_PACKAGE_PARENT):  # ddp_magics itself, also when installed editable
+        return filename[len(_PACKAGE_PARENT) :]
     for marker in ("/site-packages/", "/dist-packages/"):
         if marker in filename:
             return filename.split(marker, 1)[1]
@@ -143,6 +147,7 @@ def short_path(filename: str, cell_file: str) -> str:
 
 
 _STANDARD_LIBRARY = re.compile(r"/lib/python\d+\.\d+/")
+_PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent) + os.sep
 
 
 # ------------------------------------------------------------------ cell failures

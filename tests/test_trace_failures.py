@@ -3,8 +3,11 @@ diagram and in the hang report; and a trace reaches the notebook when a cell rai
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
+import ddp_magics
 from ddp_magics import trace as trace_module
 from ddp_magics.errors import DistributedCellError
 from tests.conftest import run_cell
@@ -68,6 +71,10 @@ def test_mismatch_that_hangs_is_named_in_trace_diagram_and_report(ip, healthy, c
         event = trace.in_progress(blocked.rank)
         assert event is not None and blocked.traced_call == event.call()
         assert f"[rank {blocked.rank}] still running, in {event.call()} at cell line {event.line}" in report
+    # Stack lines name files without this machine's directories, ddp_magics' own tracing wrapper included.
+    report_text = "\n".join(report)
+    assert 'File "ddp_magics/trace.py"' in report_text and 'File "<cell>"' in report_text
+    assert os.path.dirname(os.path.dirname(ddp_magics.__file__)) not in report_text
     # The diagram was shown before the error, with the mismatch in its text and in red on the figure.
     assert f"Mismatch: {message}" in captured.outputs[-1].data["text/plain"]
     assert trace.draw().gids("mismatch:")
