@@ -216,6 +216,10 @@ class Tracer:
             setattr(self._dist, name, original)
         self._originals.clear()
         self.active = False
+        # Let go of the cell's groups and tensors: a group the user deletes must really go
+        # (destroying and re-forming the default group on the same port relies on it).
+        self._groups.clear()
+        self._known.clear()
         self.write_snapshot()  # the final state, for the ranks of a cell that others did not finish
 
     def write_snapshot(self) -> None:
