@@ -173,7 +173,9 @@ class RankCluster:
     def _form_process_group(self, progress: Progress) -> None:
         engine_ids = sorted(self._client.ids)[: self.n]
         progress("importing torch on the engines")
-        probes = self._client[engine_ids].apply_sync(rank_code.probe_engine)
+        probes = self._within_timeout(
+            self._client[engine_ids].apply_async(rank_code.probe_engine), "importing torch"
+        )
         hosts = [probe.host for probe in probes]
         local_ranks = [hosts[:index].count(host) for index, host in enumerate(hosts)]
         gpus = [int(probe.gpu_count > local) for probe, local in zip(probes, local_ranks)]
@@ -213,8 +215,15 @@ class RankCluster:
             )
             for info in self.ranks
         ]
-        for result in pending:
-            result.get(timeout=self.engine_timeout)
+        for info, result in zip(self.ranks, pending):
+            self._within_timeout(result, f"rank {info.rank} joining the process group")
+
+    def _within_timeout(self, result: ipp.AsyncResult, doing: str):
+        """The result, or a ClusterError if the engines take longer than ``engine_timeout``."""
+        try:
+            return result.get(timeout=self.engine_timeout)
+        except TimeoutError:
+            raise ClusterError(f"engines still busy {doing} after {self.engine_timeout:g} s") from None
 
     def stop(self) -> None:
         """Stop controller and engines and remove the cluster's files. Safe to call twice."""
