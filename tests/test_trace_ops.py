@@ -284,7 +284,10 @@ def test_a_traced_cell_keeps_no_reference_to_its_groups(ip, cluster4):
     run_cell(ip, "", "import gc, weakref\npair = dist.new_group([0, 1])\nt = torch.ones(1)")
     captured, error = run_cell(ip, "--trace used", "if rank < 2:\n    dist.all_reduce(t, group=pair)")
     assert error is None and ip.user_ns["used"].steps[0].op == "all_reduce"
-    check = "alive = weakref.ref(pair)\ndist.destroy_process_group(pair)\ndel pair\ngc.collect()\nprint(alive() is None)"
+    check = (
+        "alive = weakref.ref(pair)\ndist.destroy_process_group(pair)\n"
+        "del pair\ngc.collect()\nprint(alive() is None)"
+    )
     captured, error = run_cell(ip, "--ranks 0,1", check)  # the members: elsewhere pair is a placeholder
     assert error is None and shown_text(captured) == "[ranks 0,1]\nTrue"
 
