@@ -137,8 +137,8 @@ def short_path(filename: str, cell_file: str) -> str:
     the part that says what the code is, without this machine's directories."""
     if filename == cell_file:
         return "<cell>"
-    if filename.startswith(_PACKAGE_PARENT):  # ddp_magics itself, also when installed editable
-        return filename[len(_PACKAGE_PARENT) :]
+    if filename.startswith(_PACKAGE_DIR):  # ddp_magics itself, also when installed editable
+        return f"ddp_magics/{filename[len(_PACKAGE_DIR) :]}"
     for marker in ("/site-packages/", "/dist-packages/"):
         if marker in filename:
             return filename.split(marker, 1)[1]
@@ -147,7 +147,7 @@ def short_path(filename: str, cell_file: str) -> str:
 
 
 _STANDARD_LIBRARY = re.compile(r"/lib/python\d+\.\d+/")
-_PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent) + os.sep
+_PACKAGE_DIR = str(Path(__file__).resolve().parent) + os.sep
 
 
 # ------------------------------------------------------------------ cell failures

@@ -10,7 +10,7 @@ import psutil
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
-from ddp_magics.errors import DistributedCellError
+from ddp_magics.errors import DistributedCellError, short_path
 from tests.conftest import run_cell, shown_text
 
 RECV_NEVER_SENT = """\
@@ -19,6 +19,17 @@ print('waiting', rank)
 if rank == 0:
     dist.recv(t, src=1)
 """
+
+
+def test_stack_paths_lose_this_machines_directories():
+    package_dir = os.path.dirname(os.path.abspath(short_path.__code__.co_filename))
+    checkout = os.path.dirname(package_dir)
+    venv_torch = f"{checkout}/.venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
+    assert short_path("/tmp/ipykernel_1/123.py", "/tmp/ipykernel_1/123.py") == "<cell>"
+    assert short_path(f"{package_dir}/trace.py", "") == "ddp_magics/trace.py"
+    assert short_path(venv_torch, "") == "torch/distributed/distributed_c10d.py"  # a venv inside the checkout
+    assert short_path("/usr/lib/python3.11/threading.py", "") == "threading.py"
+    assert short_path(f"{checkout}/script.py", "") == f"{checkout}/script.py"  # nothing to shorten it to
 
 
 def test_hang_is_reported_with_line_and_call_then_restart_recovers(ip, healthy):
