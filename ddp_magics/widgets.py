@@ -165,6 +165,7 @@ class RingStepper:
         self.interval_ms = interval_ms
         self.step = 0
         self._widget = None
+        self._slider = None
 
     @property
     def result(self) -> list[list[float]]:
