@@ -7,8 +7,6 @@ raised as the exceptions defined below.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
 import shutil
@@ -26,11 +24,21 @@ from traitlets.config import Config
 
 from ddp_magics import rank as rank_code
 from ddp_magics import trace as trace_code
+from ddp_magics.lifetime import (
+    Owner,
+    cluster_processes,
+    kill_now,
+    launch_environment,
+    process_alive,
+    wait_for_exit,
+)
 
 BACKENDS = ("auto", "gloo", "nccl")
 CLUSTERS_ROOT = Path(tempfile.gettempdir()) / f"ddp_magics-{os.getuid()}"
-OWNER_FILE = "owner.json"
+OWNER_FILE = "owner"  # "PID:start time" of the kernel that started the cluster
 LOCAL_HOST = "127.0.0.1"
+# How long stopping waits for a step that normally takes milliseconds before forcing it.
+STOP_GRACE_SECONDS = 0.5
 
 Progress = Callable[[str], None]
 # ipyparallel logs engines' output when they exit non-zero, as they do on SIGTERM at every stop;
@@ -73,16 +81,6 @@ def resolve_backend(requested: str, gpus_per_rank: list[int]) -> str:
     if requested != "auto":
         return requested
     return "nccl" if gpus_per_rank and all(gpus_per_rank) else "gloo"
-
-
-def _process_alive(pid: int, create_time: float | None = None) -> bool:
-    try:
-        process = psutil.Process(pid)
-        if create_time is not None and abs(process.create_time() - create_time) > 1:
-            return False  # the PID was reused by another process
-        return process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 class RankCluster:
@@ -137,7 +135,11 @@ class RankCluster:
         (profile_dir / "security").mkdir(parents=True)
         config = Config()
         config.EngineLauncher.engine_cmd = [sys.executable, "-m", "ddp_magics.engine"]
-        config.BaseLauncher.environment = {"IPYTHONDIR": str(self.workdir / "ipython")}
+        config.ControllerLauncher.controller_cmd = [sys.executable, "-m", "ddp_magics.controller"]
+        config.BaseLauncher.environment = {
+            "IPYTHONDIR": str(self.workdir / "ipython"),
+            **launch_environment(self.workdir),
+        }
         self._cluster = ipp.Cluster(
             n=self.n,
             profile_dir=str(profile_dir),
@@ -229,12 +231,18 @@ class RankCluster:
         """Stop controller and engines and remove the cluster's files. Safe to call twice."""
         cluster, self._cluster = self._cluster, None
         client, self._client = self._client, None
-        if client is not None:
-            client.close()
         if cluster is not None:
-            processes = _processes_with_children(_cluster_pids(Path(cluster.cluster_file)))
+            processes = cluster_processes(self.workdir)
+            # Engines hold nothing to save, and one blocked in gloo ignores SIGTERM. Killed while
+            # the controller runs, each one's nanny tells the controller and exits at once (with
+            # the controller gone, it would linger seconds trying).
+            cluster.signal_engines_sync(signal.SIGKILL)
+            if client is not None:
+                _wait_until_unregistered(client, timeout=STOP_GRACE_SECONDS)
             cluster.stop_cluster_sync()
             _wait_for_exit(processes)
+        if client is not None:
+            client.close()
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None
@@ -245,7 +253,7 @@ class RankCluster:
         """Controller, engines and their helper processes (nannies, schedulers) now running."""
         if self._cluster is None:
             return []
-        return _processes_with_children(_cluster_pids(Path(self._cluster.cluster_file)))
+        return cluster_processes(self.workdir)
 
     # ------------------------------------------------------------------- state
     def engine_ids(self, ranks: Iterable[int] | None = None) -> list[int]:
@@ -261,7 +269,7 @@ class RankCluster:
         ]
 
     def _rank_process_alive(self, info: RankInfo) -> bool:
-        return info.host != _this_host() or _process_alive(info.pid)
+        return info.host != _this_host() or process_alive(info.pid)
 
     def status(self) -> list[RankStatus]:
         dead = set(self.dead_ranks())
@@ -335,67 +343,59 @@ def _clusters_root() -> Path:
 
 
 def _write_owner(workdir: Path) -> None:
-    me = psutil.Process()
-    (workdir / OWNER_FILE).write_text(json.dumps({"pid": me.pid, "create_time": me.create_time()}))
+    (workdir / OWNER_FILE).write_text(str(Owner.this_process()))
 
 
 def stop_stray_clusters() -> list[str]:
-    """Stop clusters whose owning kernel is gone, by their ipyparallel cluster files.
+    """Remove the clusters whose owning kernel is gone.
 
-    Returns one description per cluster stopped.
+    Their processes normally ended with their owner (see :mod:`ddp_magics.lifetime`); any
+    still running (started by an older version, or stuck) are stopped by PID. Returns one
+    line per cluster that needed more than removing its files: what was stopped, or why it
+    could not be cleaned up. Never raises for one cluster's sake.
     """
-    stopped = []
+    reports = []
     for workdir in sorted(_clusters_root().glob("cluster-*")):
         try:
-            owner = json.loads((workdir / OWNER_FILE).read_text())
-        except FileNotFoundError:
-            continue  # being created right now by another kernel
-        if _process_alive(owner["pid"], owner["create_time"]):
-            continue
-        for cluster_file in sorted((workdir / "profile" / "security").glob("cluster-*.json")):
-            cluster = ipp.Cluster.from_file(str(cluster_file), log=CLUSTER_LOG)
-            processes = _processes_with_children(_cluster_pids(cluster_file))
-            cluster.stop_cluster_sync()
-            _wait_for_exit(processes)
-            stopped.append(f"cluster {cluster.cluster_id} of process {owner['pid']}")
-        shutil.rmtree(workdir, ignore_errors=True)
-    return stopped
+            reports.extend(_remove_if_orphaned(workdir))
+        except OSError as error:
+            reports.append(f"could not clean up {workdir}: {error}")
+    return reports
 
 
-def _cluster_pids(cluster_file: Path) -> list[int]:
-    data = json.loads(cluster_file.read_text())
-    pids = [data.get("controller", {}).get("state", {}).get("pid", -1)]
-    for engine_set in data.get("engines", {}).get("sets", {}).values():
-        for engine in engine_set.get("engines", {}).values():
-            pids.append(engine.get("pid", -1))
-    return [pid for pid in pids if pid and pid > 0]
+def _remove_if_orphaned(workdir: Path) -> list[str]:
+    try:
+        owner = Owner.parse((workdir / OWNER_FILE).read_text())
+    except FileNotFoundError:
+        return []  # being created by another kernel right now, or being removed by its controller
+    except ValueError:
+        owner = None  # written by an older version of ddp_magics
+    if owner is not None and owner.alive():
+        return []
+    reports = []
+    processes = cluster_processes(workdir)
+    if processes:
+        _wait_for_exit(processes, grace=0)
+        reports.append(f"stopped {len(processes)} processes of {workdir.name}, whose kernel had ended")
+    shutil.rmtree(workdir, ignore_errors=True)
+    if workdir.exists():
+        reports.append(f"could not remove {workdir}")
+    return reports
 
 
-def _processes_with_children(pids: Iterable[int]) -> list[psutil.Process]:
-    """The processes and their children (an engine's nanny), found while they still run."""
-    processes = []
-    for pid in pids:
-        try:
-            process = psutil.Process(pid)
-            processes.extend([process, *process.children(recursive=True)])
-        except psutil.NoSuchProcess:
-            continue
-    return processes
+def _wait_until_unregistered(client: ipp.Client, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while client.ids and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
-def _wait_for_exit(processes: list[psutil.Process], grace: float = 0.5, timeout: float = 3.0) -> None:
-    """Make sure stopped processes exit, by PID: after ``grace`` seconds SIGTERM the ones left
-    (engine nannies otherwise linger about 5 s after their engine), after ``timeout`` more SIGKILL
-    (an engine blocked in a gloo collective ignores SIGTERM)."""
-    _, alive = psutil.wait_procs(processes, timeout=grace)
-    for process in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.terminate()
-    _, alive = psutil.wait_procs(alive, timeout=timeout)
-    for process in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.kill()
-    psutil.wait_procs(alive, timeout=timeout)
+def _wait_for_exit(
+    processes: list[psutil.Process], grace: float = STOP_GRACE_SECONDS, timeout: float = 3.0
+) -> None:
+    """Make sure stopped processes exit, by PID: SIGKILL those still running after ``grace``
+    seconds (all are ours and hold nothing to save)."""
+    kill_now(wait_for_exit(processes, timeout=grace))
+    wait_for_exit(processes, timeout=timeout)
 
 
 def _this_host() -> str:

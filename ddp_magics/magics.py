@@ -242,12 +242,8 @@ class DistributedMagics(Magics):
         )
 
     def report_strays(self) -> None:
-        stopped = cluster_module.stop_stray_clusters()
-        if stopped:
-            print(
-                f"Stopped {len(stopped)} cluster(s) left running by a kernel that exited "
-                "without stopping them."
-            )
+        for report in cluster_module.stop_stray_clusters():
+            print(f"ddp_magics: {report}.")
 
     # -------------------------------------------------------------------- running
     @magic_arguments()

@@ -9,6 +9,7 @@ import pytest
 from IPython.testing.globalipapp import start_ipython
 from IPython.utils.capture import capture_output
 
+from ddp_magics.lifetime import wait_for_exit
 from ddp_magics.magics import DistributedMagics
 
 
@@ -62,9 +63,10 @@ def healthy(ip, cluster):
 
 
 def assert_gone(processes: list[psutil.Process], timeout: float = 15) -> None:
-    """Every process in the list has exited (checked by PID and start time)."""
-    _, alive = psutil.wait_procs(processes, timeout=timeout)
-    assert not alive, f"still running: {[(p.pid, p.cmdline()) for p in alive]}"
+    """Every process in the list has exited (checked by PID and start time; a zombie waiting
+    for init to reap it has exited)."""
+    running = wait_for_exit(processes, timeout=timeout)
+    assert not running, f"still running: {[(p.pid, p.cmdline()) for p in running]}"
 
 
 def run_cell(ip, line: str, cell: str):

@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
+import time
+from pathlib import Path
 
 import psutil
+import pytest
 from IPython.utils.capture import capture_output
 from jupyter_client.manager import start_new_kernel
 
-from ddp_magics.cluster import stop_stray_clusters
+from ddp_magics.cluster import CLUSTERS_ROOT, OWNER_FILE, stop_stray_clusters
+from ddp_magics.lifetime import CLUSTER_DIR_ENV, process_alive
 from tests.conftest import assert_gone
 
 # Starts a cluster in a fresh interpreter and prints the PIDs of everything it runs.
@@ -25,8 +31,6 @@ START_AND_REPORT = textwrap.dedent(
     shell.run_line_magic("dist_start", "-n 2")
     magics = next(m for m in shell.configurables if type(m).__name__ == "DistributedMagics")
     print(json.dumps([p.pid for p in magics.cluster.processes()]), flush=True)
-    if sys.argv[1] == "hang":
-        sys.stdin.read()
     """
 )
 
@@ -69,7 +73,7 @@ def test_unload_ext_stops_the_cluster(ip, magics):
 
 def test_interpreter_exit_stops_the_cluster():
     result = subprocess.run(
-        [sys.executable, "-c", START_AND_REPORT, "exit"],
+        [sys.executable, "-c", START_AND_REPORT],
         capture_output=True,
         text=True,
         timeout=120,
@@ -77,50 +81,117 @@ def test_interpreter_exit_stops_the_cluster():
     )
     pids = json.loads(result.stdout.strip().splitlines()[-1])
     assert pids
-    gone = [pid for pid in pids if not psutil.pid_exists(pid)]
-    assert gone == pids, f"left running after exit: {set(pids) - set(gone)}"
+    running = [pid for pid in pids if process_alive(pid)]
+    assert not running, f"left running after exit: {running}"
 
 
-def test_kernel_shutdown_stops_the_cluster():
+def _start_in_kernel(world_size: int):
+    """A real ipykernel with a cluster: (kernel manager, the cluster's processes, its directory)."""
     manager, client = start_new_kernel(kernel_name="python3")
     try:
         code = (
-            "%load_ext ddp_magics\n%dist_start -n 2\n"
+            f"%load_ext ddp_magics\n%dist_start -n {world_size}\n"
             "import json\n"
             "m = next(m for m in get_ipython().configurables if type(m).__name__ == 'DistributedMagics')\n"
-            "print(json.dumps([p.pid for p in m.cluster.processes()]))"
+            "print(json.dumps([[p.pid for p in m.cluster.processes()], str(m.cluster.workdir)]))"
         )
         outputs = []
-        reply = client.execute_interactive(code, timeout=120, output_hook=lambda msg: outputs.append(msg))
+        reply = client.execute_interactive(code, timeout=120, output_hook=outputs.append)
         assert reply["content"]["status"] == "ok"
         texts = [m["content"]["text"] for m in outputs if m["msg_type"] == "stream"]
-        processes = _processes(json.loads("".join(texts).strip().splitlines()[-1]))
+        pids, workdir = json.loads("".join(texts).strip().splitlines()[-1])
+        return manager, _processes(pids), Path(workdir)
+    except BaseException:
+        manager.shutdown_kernel(now=True)
+        raise
     finally:
         client.stop_channels()
-        manager.shutdown_kernel(now=False)
-    assert_gone(processes, timeout=15)
 
 
-def test_strays_of_a_crashed_kernel_are_stopped_by_their_files():
-    crashed = subprocess.Popen(
-        [sys.executable, "-c", START_AND_REPORT, "hang"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+# JupyterLab's "Shut Down Kernel": a shutdown request, a short wait, then a kill. At n=4 the
+# kernel used to be killed while it stopped the cluster, leaving orphans.
+@pytest.mark.parametrize("world_size", [4])
+def test_kernel_shutdown_stops_the_cluster(world_size):
+    manager, processes, workdir = _start_in_kernel(world_size)
+    manager.shutdown_kernel(now=False)
+    assert_gone(processes, timeout=3)
+    assert not workdir.exists()
+
+
+def test_a_killed_kernel_leaves_nothing():
+    """Without any later %load_ext: the engines and the controller watch the kernel."""
+    manager, processes, workdir = _start_in_kernel(2)
     try:
-        line = crashed.stdout.readline()
-        while line and not line.startswith("["):
-            line = crashed.stdout.readline()
-        processes = _processes(json.loads(line))
-        crashed.send_signal(signal.SIGKILL)
-        crashed.wait(timeout=10)
-        assert all(p.is_running() for p in processes), "the cluster should outlive its kernel"
+        manager.signal_kernel(signal.SIGKILL)
+        manager.provisioner.process.wait(timeout=10)
+        assert_gone(processes, timeout=3)
+        assert _gone_within(workdir, seconds=3)
     finally:
-        crashed.kill()
-        crashed.wait(timeout=10)
-        crashed.stdout.close()
-        crashed.stdin.close()
-        stopped = stop_stray_clusters()
-    assert [line for line in stopped if line.endswith(f"of process {crashed.pid}")]
-    assert_gone(processes, timeout=15)
+        manager.cleanup_resources()
+
+
+def _gone_within(path: Path, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not path.exists()
+
+
+def _stray_cluster(name: str, cluster_json: str | None) -> Path:
+    """A cluster directory as a kernel that died would leave it: its owner is gone."""
+    workdir = CLUSTERS_ROOT / f"cluster-test-{name}"
+    security = workdir / "profile" / "security"
+    security.mkdir(parents=True)
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
+    gone_pid = int(ended.stdout)
+    (workdir / OWNER_FILE).write_text(f"{gone_pid}:0.0")
+    if cluster_json is not None:
+        (security / "cluster-1-abcd.json").write_text(cluster_json)
+    return workdir
+
+
+def _cluster_json(pids: list[int]) -> str:
+    engines = {str(i): {"pid": pid} for i, pid in enumerate(pids)}
+    sets = {"1": {"engines": engines}}
+    return json.dumps({"controller": {"state": {"pid": -1}}, "engines": {"sets": sets}})
+
+
+def test_stray_recovery_stops_only_the_clusters_own_processes():
+    workdir = _stray_cluster("running", cluster_json=None)
+    ours = subprocess.Popen(["sleep", "60"], env={**os.environ, CLUSTER_DIR_ENV: str(workdir)})
+    not_ours = subprocess.Popen(["sleep", "60"])  # its PID is listed too, as a reused PID would be
+    try:
+        (workdir / "profile" / "security" / "cluster-1-abcd.json").write_text(
+            _cluster_json([ours.pid, not_ours.pid])
+        )
+        reports = stop_stray_clusters()
+        assert ours.wait(timeout=5) == -signal.SIGKILL
+        assert not_ours.poll() is None
+        assert reports == [f"stopped 1 processes of {workdir.name}, whose kernel had ended"]
+        assert not workdir.exists()
+    finally:
+        for process in (ours, not_ours):
+            process.kill()
+            process.wait()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def test_stray_recovery_of_half_removed_clusters_never_raises(ip):
+    """What a controller removing its directory, or a crash while writing, leaves behind."""
+    half_written = _stray_cluster("half-written", cluster_json='{"controller": {"sta')
+    no_cluster_file = _stray_cluster("no-cluster-file", cluster_json=None)
+    no_security_dir = _stray_cluster("no-security-dir", cluster_json=None)
+    shutil.rmtree(no_security_dir / "profile")
+    old_owner_format = _stray_cluster("old-owner-format", cluster_json=_cluster_json([]))
+    (old_owner_format / OWNER_FILE).write_text('{"pid": 1, "create_time": 0.0}')
+    strays = [half_written, no_cluster_file, no_security_dir, old_owner_format]
+    try:
+        ip.run_line_magic("unload_ext", "ddp_magics")
+        with capture_output() as captured:
+            ip.run_line_magic("load_ext", "ddp_magics")
+        assert captured.stdout == ""
+        assert not [path for path in strays if path.exists()]
+        assert "distributed" in ip.magics_manager.magics["cell"]
+    finally:
+        for path in strays:
+            shutil.rmtree(path, ignore_errors=True)

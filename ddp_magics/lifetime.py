@@ -1,0 +1,197 @@
+"""How long a cluster's processes live: the process that owns them, and nothing after it.
+
+A cluster belongs to the process that started it (the notebook's kernel). The notebook side
+puts that owner into the environment of the controller and engines it launches
+(:func:`launch_environment`); each of them calls :func:`watch_owner` first thing. A daemon
+thread then blocks on a pidfd of the owner, and when the owner ends, for whatever reason
+(shut down, SIGKILL, a crash), the process kills its own children (an engine's nanny, the
+controller's schedulers) and exits at once, whatever its main thread is doing: a rank blocked
+in a gloo collective included. The controller also waits for the engines and removes the
+cluster's directory, so nothing is left for a later kernel to clean up.
+
+This module runs on both sides and imports neither ipyparallel nor notebook code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+OWNER_ENV = "DDP_MAGICS_OWNER"
+CLUSTER_DIR_ENV = "DDP_MAGICS_CLUSTER_DIR"
+# Where pidfds are missing (not Linux, or a kernel before 5.3) the owner is polled this often.
+POLL_SECONDS = 0.2
+OWNER_GONE_EXIT_CODE = 3
+EXIT_POLL_SECONDS = 0.02
+
+
+@dataclass(frozen=True)
+class Owner:
+    """A process, told apart from a later one that reuses its PID by its start time."""
+
+    pid: int
+    create_time: float
+
+    @classmethod
+    def this_process(cls) -> Owner:
+        me = psutil.Process()
+        return cls(me.pid, me.create_time())
+
+    @classmethod
+    def parse(cls, text: str) -> Owner:
+        """The inverse of :meth:`__str__`."""
+        pid, create_time = text.split(":", 1)
+        return cls(int(pid), float(create_time))
+
+    def __str__(self) -> str:
+        return f"{self.pid}:{self.create_time!r}"
+
+    def alive(self) -> bool:
+        return process_alive(self.pid, self.create_time)
+
+    def wait(self) -> None:
+        """Block until the owner has exited (at once if it already has)."""
+        try:
+            pidfd = os.pidfd_open(self.pid)
+        except ProcessLookupError:
+            return
+        except (AttributeError, OSError):  # no pidfds on this system
+            while self.alive():
+                time.sleep(POLL_SECONDS)
+            return
+        try:
+            # Checked after opening the pidfd: a PID reused before it opened is another process.
+            if self.alive():
+                select.select([pidfd], [], [])  # readable once the process has exited
+        finally:
+            os.close(pidfd)
+
+
+def process_alive(pid: int, create_time: float | None = None) -> bool:
+    try:
+        process = psutil.Process(pid)
+        if create_time is not None and abs(process.create_time() - create_time) > 1:
+            return False  # the PID was reused by another process
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def launch_environment(cluster_dir: Path) -> dict[str, str]:
+    """Environment for the processes this process launches for the cluster in ``cluster_dir``."""
+    return {OWNER_ENV: str(Owner.this_process()), CLUSTER_DIR_ENV: str(cluster_dir)}
+
+
+# ------------------------------------------------------------ in launched processes
+def watch_owner(remove_cluster_dir: bool = False) -> None:
+    """Exit with this process's children when the owner named in the environment ends.
+
+    With ``remove_cluster_dir`` (the controller), first wait for the cluster's other
+    processes to end and remove the cluster's directory.
+    """
+    owner_text = os.environ.get(OWNER_ENV)
+    if not owner_text:
+        return  # started by hand, not by ddp_magics: nobody to watch
+    owner = Owner.parse(owner_text)
+    cluster_dir = Path(os.environ[CLUSTER_DIR_ENV]) if remove_cluster_dir else None
+    threading.Thread(
+        target=_exit_after, args=(owner, cluster_dir), name="ddp-magics-owner-watch", daemon=True
+    ).start()
+
+
+def _exit_after(owner: Owner, cluster_dir: Path | None) -> None:
+    owner.wait()
+    print(f"ddp_magics: the cluster's owner (PID {owner.pid}) has ended; exiting", file=sys.stderr)
+    me = psutil.Process()
+    kill_now(me.children(recursive=True))
+    if cluster_dir is not None:
+        others = [p for p in cluster_processes(cluster_dir) if p.pid != me.pid]
+        # They watch the owner too and are normally gone already.
+        kill_now(wait_for_exit(others, timeout=2))
+        shutil.rmtree(cluster_dir, ignore_errors=True)
+    os._exit(OWNER_GONE_EXIT_CODE)
+
+
+# -------------------------------------------------------------- the cluster's files
+def cluster_processes(cluster_dir: Path) -> list[psutil.Process]:
+    """The controller and engines listed in the cluster's ipyparallel files, with their
+    children (nannies, schedulers), as far as they still run.
+
+    A listed PID counts only if its environment names ``cluster_dir``: a PID reused by an
+    unrelated process is never touched. A file half written or being removed lists nothing.
+    """
+    listed = []
+    for cluster_file in (cluster_dir / "profile" / "security").glob("cluster-*.json"):
+        listed.extend(cluster_file_pids(cluster_file))
+    processes = []
+    for pid in dict.fromkeys(listed):
+        try:
+            process = psutil.Process(pid)
+            if not _launched_for(process, cluster_dir):
+                continue
+            processes.extend([process, *process.children(recursive=True)])
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return processes
+
+
+def _launched_for(process: psutil.Process, cluster_dir: Path) -> bool:
+    environment = process.environ()
+    # IPP_PROFILE_DIR, set by ipyparallel's launchers, also names clusters of older versions.
+    return environment.get(CLUSTER_DIR_ENV) == str(cluster_dir) or environment.get(
+        "IPP_PROFILE_DIR"
+    ) == str(cluster_dir / "profile")
+
+
+def cluster_file_pids(cluster_file: Path) -> list[int]:
+    """PIDs of the controller and engines in an ``ipyparallel.Cluster`` file; none if the file
+    is gone or not (yet, or any more) complete JSON."""
+    try:
+        data = json.loads(cluster_file.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return []
+    pids = [data.get("controller", {}).get("state", {}).get("pid", -1)]
+    for engine_set in data.get("engines", {}).get("sets", {}).values():
+        for engine in engine_set.get("engines", {}).values():
+            pids.append(engine.get("pid", -1))
+    return [pid for pid in pids if isinstance(pid, int) and pid > 0]
+
+
+def wait_for_exit(processes: Iterable[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Wait until the processes have exited; returns those still running after ``timeout``.
+
+    A zombie has exited: it only waits for its parent (init, for an orphan) to reap it,
+    which ``psutil.wait_procs`` would wait for too.
+    """
+    deadline = time.monotonic() + timeout
+    running = list(processes)
+    while True:
+        running = [process for process in running if is_running(process)]
+        if not running or time.monotonic() >= deadline:
+            return running
+        time.sleep(EXIT_POLL_SECONDS)
+
+
+def is_running(process: psutil.Process) -> bool:
+    """Running, and not a zombie (``Process.is_running`` also tells a reused PID apart)."""
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def kill_now(processes: Iterable[psutil.Process]) -> None:
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
