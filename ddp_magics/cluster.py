@@ -233,11 +233,11 @@ class RankCluster:
         client, self._client = self._client, None
         if cluster is not None:
             processes = cluster_processes(self.workdir)
-            # Engines hold nothing to save, and one blocked in gloo ignores SIGTERM. Killed while
-            # the controller runs, each one's nanny tells the controller and exits at once (with
-            # the controller gone, it would linger seconds trying).
-            cluster.signal_engines_sync(signal.SIGKILL)
-            if client is not None:
+            # Engines hold nothing to save, and one blocked in gloo ignores SIGTERM. Killed (through
+            # its nanny) while the controller runs, each engine's nanny tells the controller and
+            # exits at once; with the controller gone it would linger seconds trying.
+            if client is not None and client.ids:
+                client.send_signal(signal.SIGKILL, targets=client.ids, block=False)
                 _wait_until_unregistered(client, timeout=STOP_GRACE_SECONDS)
             cluster.stop_cluster_sync()
             _wait_for_exit(processes)
