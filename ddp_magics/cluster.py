@@ -282,9 +282,10 @@ class RankCluster:
             self._views[key] = self._client[self.engine_ids(ranks)]
         return self._views[key]
 
-    def execute(self, code: str, ranks: list[int]) -> ipp.AsyncResult:
-        """Start running ``code`` on ``ranks``; returns at once."""
-        return self._view(ranks).execute(code, silent=False, block=False)
+    def execute(self, code: str, ranks: list[int], cell_number: int) -> ipp.AsyncResult:
+        """Start running ``code`` on ``ranks`` as the notebook's cell ``cell_number``; returns at once."""
+        numbered = rank_code.numbered_cell(code, cell_number)
+        return self._view(ranks).execute(numbered, silent=False, block=False)
 
     def push(self, namespace: dict) -> None:
         self._client[self.engine_ids()].push(namespace, block=True)

@@ -201,13 +201,15 @@ class DistributedCellError(Exception):
 
     def _render_traceback_(self) -> list[str]:
         lines = [f"{type(self).__name__}: {self.summary()}"]
+        # Ranks that failed the same way (an interrupt, the same bad line) share one traceback.
+        same_failure: dict[tuple[str, str, str], list[int]] = {}
         for failure in self.failures:
-            traceback = _without_rule(failure.traceback.rstrip().splitlines())
-            lines.append(
-                f"[rank {failure.rank}]"
-                if traceback
-                else f"[rank {failure.rank}] {failure.ename}: {failure.evalue}"
-            )
+            key = (failure.ename, failure.evalue, failure.traceback)
+            same_failure.setdefault(key, []).append(failure.rank)
+        for (ename, evalue, traceback_text), ranks in same_failure.items():
+            traceback = _without_rule(traceback_text.rstrip().splitlines())
+            label = f"[{rank_label(ranks)}]"
+            lines.append(label if traceback else f"{label} {ename}: {evalue}")
             lines.extend("    " + line for line in traceback)
         for rank in self.dead:
             lines.append(f"[rank {rank}] its engine process died")

@@ -25,7 +25,7 @@ from ddp_magics.errors import (
     rank_label,
     usage_error,
 )
-from ddp_magics.output import RankOutput, StatusTable, render, tail
+from ddp_magics.output import RankOutput, StatusTable, live_html, render
 from ddp_magics.trace import Trace
 from ddp_magics.widgets import LiveView
 
@@ -176,7 +176,9 @@ class DistributedMagics(Magics):
             )
         )
 
-    def _start(self, cluster: RankCluster) -> None:
+    def _start(self, cluster: RankCluster, restarting: bool = False) -> None:
+        """Start ``cluster`` (after stopping the running one, when ``restarting``), showing
+        each step while it runs."""
         live = LiveView(self._in_kernel())
         steps: list[str] = []
 
@@ -184,10 +186,14 @@ class DistributedMagics(Magics):
             steps.append(message)
             live.update("<br>".join(html.escape(step) for step in steps) + " …")
 
+        magic = "%dist_restart" if restarting else "%dist_start"
         try:
+            if restarting and self.cluster is not None:
+                progress(f"stopping the {self.cluster.n} running ranks")
+                self._stop_cluster()
             cluster.start(progress)
         except ClusterError as error:
-            raise usage_error(f"%dist_start failed: {error}") from None
+            raise usage_error(f"{magic} failed: {error}") from None
         finally:
             live.close()
         self.cluster = cluster
@@ -232,13 +238,13 @@ class DistributedMagics(Magics):
             raise usage_error("No cluster to restart: start one with %dist_start")
         if self.cluster is not None:
             self._last_config["backend"] = self.cluster.backend
-        self._stop_cluster()
         self._start(
             RankCluster(
                 heartbeat_ms=self.heartbeat_ms,
                 engine_launcher=self.engine_launcher,
                 **self._last_config,
-            )
+            ),
+            restarting=True,
         )
 
     def report_strays(self) -> None:
@@ -265,7 +271,7 @@ class DistributedMagics(Magics):
         traced = args.diagram or args.trace is not None
         if traced:
             cluster.start_trace(ranks, self.trace_values_limit)
-        run = CellRun(cluster.execute(cell, ranks), ranks, cell, traced)
+        run = CellRun(cluster.execute(cell, ranks, self._cell_number()), ranks, cell, traced)
         ended = self._wait(run, timeout)
         self._finish(
             run,
@@ -402,21 +408,7 @@ class DistributedMagics(Magics):
         display(trace.draw())
 
     def _live_html(self, run: CellRun, elapsed: float) -> str:
-        pending = set(run.pending_ranks())
-        columns = []
-        for output in self._collect(run):
-            state = "running" if output.rank in pending else "finished"
-            text = tail(output.stdout + output.stderr, LIVE_TAIL_LINES)
-            columns.append(
-                '<div style="flex:1 1 0;min-width:12em">'
-                f"<b>[rank {output.rank}]</b> {state}<pre>{html.escape(text)}</pre></div>"
-            )
-        finished = [rank for rank in run.ranks if rank not in pending]
-        header = (
-            f"running for {elapsed:.0f} s; finished: {format_ranks(finished) or 'none'}; "
-            f"running: {format_ranks(sorted(pending)) or 'none'}"
-        )
-        return f'<div>{header}</div><div style="display:flex;gap:1em">{"".join(columns)}</div>'
+        return live_html(self._collect(run), set(run.pending_ranks()), elapsed, LIVE_TAIL_LINES)
 
     # ----------------------------------------------------------------- inspecting
     @line_magic
@@ -456,6 +448,13 @@ class DistributedMagics(Magics):
             raise
 
     # --------------------------------------------------------------------- helpers
+    def _cell_number(self) -> int:
+        """The number the notebook shows for the cell running now (``In[N]``)."""
+        running = self.shell.displayhook.exec_result  # set by IPython for the length of a cell
+        if running is not None and running.execution_count is not None:
+            return running.execution_count
+        return self.shell.execution_count
+
     def _in_kernel(self) -> bool:
         return getattr(self.shell, "kernel", None) is not None
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass, field
 
-from ddp_magics.errors import rank_label
+from ddp_magics.errors import format_ranks, rank_label
 
 TEXT_ONLY_MIMETYPES = {"text/plain"}
 
@@ -95,15 +95,45 @@ class RankBlocks:
         for block in self.blocks:
             parts = [f'<div class="ddp-rank-header"><b>{html.escape(block.header)}</b></div>']
             if block.stdout:
-                parts.append(f"<pre>{html.escape(block.stdout)}</pre>")
+                parts.append(html_pre(block.stdout))
             if block.stderr:
-                parts.append(f'<pre style="background:#fdd">{html.escape(block.stderr)}</pre>')
+                parts.append(html_pre(block.stderr, "background:#fdd"))
             if block.result_text:
-                parts.append(f"<pre>{html.escape(block.result_text)}</pre>")
-            columns.append(
-                '<div style="flex:1 1 0;min-width:12em;overflow-x:auto">' + "".join(parts) + "</div>"
-            )
-        return '<div style="display:flex;gap:1em">' + "".join(columns) + "</div>"
+                parts.append(html_pre(block.result_text))
+            columns.append("".join(parts))
+        return html_columns(columns)
+
+
+# Lines are never broken inside a word (JupyterLab's own <pre> style breaks anywhere): columns
+# that do not fit side by side move to the next row, and a line wider than the cell scrolls.
+_PRE_STYLE = "white-space:pre;word-break:normal;overflow-wrap:normal;margin:0.2em 0"
+_COLUMN_STYLE = "flex:1 1 auto;min-width:0;max-width:100%;overflow-x:auto"
+
+
+def html_pre(text: str, style: str = "") -> str:
+    return f'<pre style="{_PRE_STYLE};{style}">{html.escape(text)}</pre>'
+
+
+def html_columns(columns: list[str]) -> str:
+    """HTML fragments side by side, one column each."""
+    cells = "".join(f'<div style="{_COLUMN_STYLE}">{column}</div>' for column in columns)
+    return f'<div style="display:flex;flex-wrap:wrap;gap:0.5em 1.5em">{cells}</div>'
+
+
+def live_html(outputs: list[RankOutput], pending: set[int], elapsed: float, tail_lines: int) -> str:
+    """What a cell still running shows: how long it has run, and each rank's latest output."""
+    columns = []
+    for output in outputs:
+        state = "running" if output.rank in pending else "finished"
+        text = tail(output.stdout + output.stderr, tail_lines)
+        columns.append(f"<b>[rank {output.rank}]</b> {state}{html_pre(text)}")
+    ranks = [output.rank for output in outputs]
+    finished = [rank for rank in ranks if rank not in pending]
+    header = (
+        f"running for {elapsed:.0f} s; finished: {format_ranks(finished) or 'none'}; "
+        f"running: {format_ranks(sorted(pending)) or 'none'}"
+    )
+    return f"<div>{header}</div>{html_columns(columns)}"
 
 
 def group_outputs(outputs: list[RankOutput], collapse: bool) -> list[tuple[list[int], RankOutput]]:

@@ -14,6 +14,8 @@ import threading
 from dataclasses import dataclass
 
 STACK_DUMP_SIGNAL = signal.SIGUSR1
+# First line of every cell the notebook sends: the notebook's own number for the cell.
+CELL_NUMBER_HEADER = "# ddp_magics: In["
 INLINE_BACKEND = "module://matplotlib_inline.backend_inline"
 
 # Kept alive for faulthandler, which writes to the file descriptor of this object.
@@ -27,6 +29,26 @@ def start_background_import() -> None:
     waits for this import instead of starting a second one.
     """
     threading.Thread(target=__import__, args=("torch.distributed",), daemon=True).start()
+
+
+def numbered_cell(code: str, number: int) -> str:
+    """``code`` as sent to the ranks: headed by the number of the notebook cell it comes from."""
+    return f"{CELL_NUMBER_HEADER}{number}]\n{code}"
+
+
+def take_cell_number(lines: list[str]) -> list[str]:
+    """IPython input transformer (run before any other): drop the header of :func:`numbered_cell`
+    and number the cell as the notebook does, so tracebacks (``Cell In[9]``), ``Out[9]`` and
+    ``_i9`` on a rank name the notebook's cell 9. Numbers only move forward (history keeps
+    one entry per number)."""
+    if not lines or not lines[0].startswith(CELL_NUMBER_HEADER):
+        return lines
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    number = int(lines[0][len(CELL_NUMBER_HEADER) :].strip().rstrip("]"))
+    shell.execution_count = max(number, shell.execution_count)
+    return lines[1:]
 
 
 @dataclass(frozen=True)
@@ -104,7 +126,10 @@ def setup_rank(setup: RankSetup) -> str:
         world_size=setup.world_size,
         timeout=timedelta(seconds=setup.timeout_s),
     )
-    get_ipython().user_ns.update(
+    shell = get_ipython()
+    if take_cell_number not in shell.input_transformers_cleanup:
+        shell.input_transformers_cleanup.insert(0, take_cell_number)
+    shell.user_ns.update(
         rank=setup.rank,
         world_size=setup.world_size,
         local_rank=setup.local_rank,
