@@ -19,6 +19,7 @@ import json
 import os
 import select
 import shutil
+import socket
 import sys
 import threading
 import time
@@ -38,24 +39,30 @@ EXIT_POLL_SECONDS = 0.02
 
 @dataclass(frozen=True)
 class Owner:
-    """A process, told apart from a later one that reuses its PID by its start time."""
+    """A process, told apart from a later one that reuses its PID by its start time, on the
+    machine with this boot id (PIDs name processes of one machine only)."""
 
     pid: int
     create_time: float
+    boot_id: str
 
     @classmethod
     def this_process(cls) -> Owner:
         me = psutil.Process()
-        return cls(me.pid, me.create_time())
+        return cls(me.pid, me.create_time(), machine_boot_id())
 
     @classmethod
     def parse(cls, text: str) -> Owner:
-        """The inverse of :meth:`__str__`."""
-        pid, create_time = text.split(":", 1)
-        return cls(int(pid), float(create_time))
+        """The inverse of :meth:`__str__`; ValueError if ``text`` is not one."""
+        pid, create_time, boot_id = text.split(":", 2)
+        return cls(int(pid), float(create_time), boot_id)
 
     def __str__(self) -> str:
-        return f"{self.pid}:{self.create_time!r}"
+        return f"{self.pid}:{self.create_time!r}:{self.boot_id}"
+
+    @property
+    def on_this_machine(self) -> bool:
+        return self.boot_id == machine_boot_id()
 
     def alive(self) -> bool:
         return process_alive(self.pid, self.create_time)
@@ -76,6 +83,14 @@ class Owner:
                 select.select([pidfd], [], [])  # readable once the process has exited
         finally:
             os.close(pidfd)
+
+
+def machine_boot_id() -> str:
+    """Different on every machine (and every boot); the same in all its network namespaces."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return socket.gethostname()
 
 
 def process_alive(pid: int, create_time: float | None = None) -> bool:
@@ -104,6 +119,8 @@ def watch_owner(remove_cluster_dir: bool = False) -> None:
     if not owner_text:
         return  # started by hand, not by ddp_magics: nobody to watch
     owner = Owner.parse(owner_text)
+    if not owner.on_this_machine:
+        return  # on another machine; ipyparallel's heartbeat check (max_heartbeat_misses) is left
     cluster_dir = Path(os.environ[CLUSTER_DIR_ENV]) if remove_cluster_dir else None
     threading.Thread(
         target=_exit_after, args=(owner, cluster_dir), name="ddp-magics-owner-watch", daemon=True

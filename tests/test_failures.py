@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 
@@ -121,3 +122,28 @@ def test_interrupt_stops_the_ranks_and_keeps_the_cluster(ip, healthy):
     captured, error = run_cell(ip, "", "print('after interrupt', rank)")
     assert error is None
     assert shown_text(captured) == "[rank 0]\nafter interrupt 0\n[rank 1]\nafter interrupt 1"
+
+
+def test_ranks_failing_alike_share_one_traceback_numbered_like_the_notebook(ip, healthy):
+    with capture_output():
+        result = ip.run_cell("%%distributed\nvalues = [rank]\nvalues[3]")
+    error = result.error_in_exec
+    assert isinstance(error, DistributedCellError)
+    assert str(error) == "ranks 0,1 raised IndexError: list index out of range"
+    report = _plain("\n".join(error._render_traceback_()))
+    assert report.count("IndexError") == 2  # the traceback's header and its last line, once
+    assert "[ranks 0,1]\n" in report
+    assert f"Cell In[{result.execution_count}], line 2" in report
+
+    # A function defined in an earlier cell is named by that cell's notebook number too.
+    with capture_output():
+        defined = ip.run_cell("%%distributed\ndef fail(r):\n    raise ValueError(f'rank {r}')")
+        result = ip.run_cell("%%distributed\nfail(rank)")
+    report = _plain("\n".join(result.error_in_exec._render_traceback_()))
+    assert "[rank 0]" in report and "[rank 1]" in report  # different messages: one traceback each
+    assert f"Cell In[{defined.execution_count}], line 2, in fail" in report
+    assert f"Cell In[{result.execution_count}], line 1" in report
+
+
+def _plain(text: str) -> str:
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)

@@ -72,9 +72,9 @@ def environment_packages() -> dict[str, str | None]:
     return packages
 
 
-def test_environment_yml_installs_exactly_the_declared_dependencies() -> None:
+def test_environment_yml_installs_exactly_the_declared_dependencies_and_pins() -> None:
     declared = {normalize(requirement.name) for requirement in pyproject_requirements()}
-    assert set(environment_packages()) == declared
+    assert set(environment_packages()) == declared | set(constraint_pins())
 
 
 def test_environment_yml_installs_this_project_editable() -> None:
@@ -93,8 +93,9 @@ def test_every_dependency_is_pinned_and_environment_yml_agrees() -> None:
         assert requirement.specifier.contains(Version(pins[name]), prereleases=True), (
             f"constraints.txt pins {name}=={pins[name]}, outside pyproject.toml's {requirement}"
         )
-        assert environment[name] == pins[name], (
-            f"environment.yml has {name}=={environment[name]}, constraints.txt {name}=={pins[name]}"
+    for name, version in pins.items():
+        assert environment[name] == version, (
+            f"environment.yml has {name}=={environment[name]}, constraints.txt {name}=={version}"
         )
 
 

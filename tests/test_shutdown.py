@@ -18,7 +18,7 @@ from IPython.utils.capture import capture_output
 from jupyter_client.manager import start_new_kernel
 
 from ddp_magics.cluster import CLUSTERS_ROOT, OWNER_FILE, stop_stray_clusters
-from ddp_magics.lifetime import CLUSTER_DIR_ENV, process_alive
+from ddp_magics.lifetime import CLUSTER_DIR_ENV, Owner, machine_boot_id, process_alive
 from tests.conftest import assert_gone
 
 # Starts a cluster in a fresh interpreter and prints the PIDs of everything it runs.
@@ -144,7 +144,7 @@ def _stray_cluster(name: str, cluster_json: str | None) -> Path:
     security.mkdir(parents=True)
     ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
     gone_pid = int(ended.stdout)
-    (workdir / OWNER_FILE).write_text(f"{gone_pid}:0.0")
+    (workdir / OWNER_FILE).write_text(str(Owner(gone_pid, 0.0, machine_boot_id())))
     if cluster_json is not None:
         (security / "cluster-1-abcd.json").write_text(cluster_json)
     return workdir
