@@ -131,7 +131,7 @@ def test_ranks_failing_alike_share_one_traceback_numbered_like_the_notebook(ip, 
     assert isinstance(error, DistributedCellError)
     assert str(error) == "ranks 0,1 raised IndexError: list index out of range"
     report = _plain("\n".join(error._render_traceback_()))
-    assert report.count("IndexError") == 2  # the traceback's header and its last line, once
+    assert report.count("Traceback (most recent call last)") == 1
     assert "[ranks 0,1]\n" in report
     assert f"Cell In[{result.execution_count}], line 2" in report
 
