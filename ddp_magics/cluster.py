@@ -8,6 +8,7 @@ raised as the exceptions defined below.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import signal
@@ -24,6 +25,7 @@ from traitlets.config import Config
 
 from ddp_magics import rank as rank_code
 from ddp_magics import trace as trace_code
+from ddp_magics.launcher import Zygote, ZygoteEngineSetLauncher, ZygoteError
 from ddp_magics.lifetime import (
     Owner,
     cluster_processes,
@@ -39,6 +41,8 @@ OWNER_FILE = "owner"  # "PID:start time" of the kernel that started the cluster
 LOCAL_HOST = "127.0.0.1"
 # How long stopping waits for a step that normally takes milliseconds before forcing it.
 STOP_GRACE_SECONDS = 0.5
+# A short heartbeat period confirms new engines sooner; this much silence still means dead.
+HEARTBEAT_SILENCE_MS = 3000
 
 Progress = Callable[[str], None]
 # ipyparallel logs engines' output when they exit non-zero, as they do on SIGTERM at every stop;
@@ -91,7 +95,7 @@ class RankCluster:
         n: int,
         backend: str = "auto",
         pg_timeout: float = 1800.0,
-        heartbeat_ms: int = 250,
+        heartbeat_ms: int = 100,
         engine_timeout: float = 60.0,
         engine_launcher: str = "local",
     ) -> None:
@@ -109,6 +113,7 @@ class RankCluster:
         self.ranks: list[RankInfo] = []
         self.workdir: Path | None = None
         self._cluster: ipp.Cluster | None = None
+        self._zygote: Zygote | None = None
         self._client: ipp.Client | None = None
         self._views: dict[tuple[int, ...], ipp.DirectView] = {}
 
@@ -133,28 +138,46 @@ class RankCluster:
     def _start_engines(self, progress: Progress) -> None:
         profile_dir = self.workdir / "profile"
         (profile_dir / "security").mkdir(parents=True)
+        environment = {"IPYTHONDIR": str(self.workdir / "ipython"), **launch_environment(self.workdir)}
         config = Config()
         config.EngineLauncher.engine_cmd = [sys.executable, "-m", "ddp_magics.engine"]
+        # Nobody reads an engine's history; without it, cells can take the notebook's numbers.
+        config.EngineLauncher.engine_args = ["--HistoryManager.enabled=False"]
         config.ControllerLauncher.controller_cmd = [sys.executable, "-m", "ddp_magics.controller"]
-        config.BaseLauncher.environment = {
-            "IPYTHONDIR": str(self.workdir / "ipython"),
-            **launch_environment(self.workdir),
-        }
+        config.BaseLauncher.environment = environment
+        config.LocalEngineSetLauncher.delay = 0  # ranks follow engine ids, whatever their order
+        forked = self.engine_launcher == "local"
+        if forked:  # its import of torch runs while the controller starts
+            self._zygote = Zygote(self.workdir, environment)
         self._cluster = ipp.Cluster(
             n=self.n,
             profile_dir=str(profile_dir),
             controller_ip=LOCAL_HOST,
-            controller_args=[f"--HeartMonitor.period={self.heartbeat_ms}"],
-            engines=self.engine_launcher,
+            controller_args=[
+                f"--HeartMonitor.period={self.heartbeat_ms}",
+                f"--HeartMonitor.max_heartmonitor_misses={self._heartbeat_misses}",
+            ],
+            engines=ZygoteEngineSetLauncher if forked else self.engine_launcher,
             delay=0,
             send_engines_connection_env=False,
             load_profile=False,
             log=CLUSTER_LOG,
             config=config,
         )
-        progress(f"starting controller and {self.n} engines")
-        self._cluster.start_cluster_sync()
-        self._client = self._cluster.connect_client_sync()
+        progress("starting the controller" + (" while torch is imported, once" if forked else ""))
+        self._cluster.start_controller_sync()
+        if forked:
+            try:
+                self._zygote.wait_ready(self.engine_timeout)
+            except ZygoteError as error:
+                raise ClusterError(str(error)) from None
+        self._launch_engines(progress)
+
+    def _launch_engines(self, progress: Progress) -> None:
+        progress(f"starting {self.n} engines")
+        self._cluster.start_engines_sync(self.n)
+        if self._client is None:
+            self._client = self._cluster.connect_client_sync()
         deadline = time.monotonic() + self.engine_timeout
         while (connected := len(self._client.ids)) < self.n:
             progress(f"engines connected: {connected}/{self.n}")
@@ -172,6 +195,39 @@ class RankCluster:
                 ) from None
         progress(f"engines connected: {self.n}/{self.n}")
 
+    @property
+    def _heartbeat_misses(self) -> int:
+        """However short the period, an engine is declared dead after the same silence."""
+        return math.ceil(HEARTBEAT_SILENCE_MS / self.heartbeat_ms)
+
+    @property
+    def restartable_in_place(self) -> bool:
+        """Whether :meth:`restart` can replace the engines alone (local engines, zygote alive)."""
+        return self.running and self._zygote is not None and self._zygote.alive()
+
+    def restart(self, progress: Progress | None = None) -> None:
+        """Kill the engines (a rank stuck in gloo included) and fork new ones that form a new
+        process group; the controller and the zygote stay, so no process imports torch again."""
+        progress = progress or (lambda message: None)
+        if not self.restartable_in_place:
+            raise ClusterError("this cluster cannot restart its engines in place")
+        old_engines = psutil.Process(self._zygote.process.pid).children(recursive=True)
+        progress(f"stopping the {self.n} engines")
+        try:
+            _kill_engines(self._client)
+            self._cluster.stop_engines_sync()
+            _wait_for_exit(old_engines)
+            # What the old engines left (stack dumps, trace FIFOs) is not the new ones'.
+            for directory in (self.stacks_dir, self.trace_dir):
+                shutil.rmtree(directory, ignore_errors=True)
+            self.ranks = []
+            self._views = {}
+            self._launch_engines(progress)
+            self._form_process_group(progress)
+        except BaseException:
+            self.stop()
+            raise
+
     def _form_process_group(self, progress: Progress) -> None:
         engine_ids = sorted(self._client.ids)[: self.n]
         progress("importing torch on the engines")
@@ -186,8 +242,8 @@ class RankCluster:
             missing = [rank for rank, has_gpu in enumerate(gpus) if not has_gpu]
             raise ClusterError(f"nccl needs a GPU for every rank; ranks {_format_ranks(missing)} have none")
         master_addr = LOCAL_HOST if len(set(hosts)) == 1 else hosts[0]
-        (self.workdir / "stacks").mkdir()
-        self.trace_dir.mkdir()
+        self.stacks_dir.mkdir(exist_ok=True)
+        self.trace_dir.mkdir(exist_ok=True)
         self.ranks = [
             RankInfo(
                 rank=rank,
@@ -200,22 +256,26 @@ class RankCluster:
             for rank, (engine_id, probe, local_rank) in enumerate(zip(engine_ids, probes, local_ranks))
         ]
         progress(f"forming the {self.backend} process group")
-        pending = [
-            self._client[info.engine_id].apply_async(
-                rank_code.setup_rank,
-                rank_code.RankSetup(
-                    rank=info.rank,
-                    local_rank=info.local_rank,
-                    world_size=self.n,
-                    master_addr=master_addr,
-                    master_port=probes[0].free_port,
-                    backend=self.backend,
-                    device=info.device,
-                    timeout_s=self.pg_timeout,
-                    stack_dump_path=str(self.stack_dump_path(info.rank)),
-                ),
+        setups = [
+            rank_code.RankSetup(
+                rank=info.rank,
+                local_rank=info.local_rank,
+                world_size=self.n,
+                master_addr=master_addr,
+                master_port=probes[0].free_port,
+                backend=self.backend,
+                device=info.device,
+                timeout_s=self.pg_timeout,
+                stack_dump_path=str(self.stack_dump_path(info.rank)),
             )
             for info in self.ranks
+        ]
+        rank0 = self._client[self.ranks[0].engine_id]
+        opening = rank0.apply_async(rank_code.open_rendezvous, setups[0])
+        self._within_timeout(opening, "opening rank 0's store")
+        pending = [
+            self._client[info.engine_id].apply_async(rank_code.setup_rank, setup)
+            for info, setup in zip(self.ranks, setups)
         ]
         for info, result in zip(self.ranks, pending):
             self._within_timeout(result, f"rank {info.rank} joining the process group")
@@ -229,25 +289,24 @@ class RankCluster:
 
     def stop(self) -> None:
         """Stop controller and engines and remove the cluster's files. Safe to call twice."""
-        cluster, self._cluster = self._cluster, None
-        client, self._client = self._client, None
-        if cluster is not None:
-            processes = cluster_processes(self.workdir)
-            # Engines hold nothing to save, and one blocked in gloo ignores SIGTERM. Killed (through
-            # its nanny) while the controller runs, each engine's nanny tells the controller and
-            # exits at once; with the controller gone it would linger seconds trying.
-            if client is not None and client.ids:
-                client.send_signal(signal.SIGKILL, targets=client.ids, block=False)
-                _wait_until_unregistered(client, timeout=STOP_GRACE_SECONDS)
-            cluster.stop_cluster_sync()
+        cluster, client, zygote = self._cluster, self._client, self._zygote
+        self._cluster = self._client = self._zygote = None
+        processes = cluster_processes(self.workdir) if self.workdir is not None else []
+        try:
+            if cluster is not None:
+                _kill_engines(client)
+                cluster.stop_cluster_sync()
+            if zygote is not None:
+                zygote.stop()
             _wait_for_exit(processes)
-        if client is not None:
-            client.close()
-        if self.workdir is not None:
-            shutil.rmtree(self.workdir, ignore_errors=True)
-            self.workdir = None
-        self.ranks = []
-        self._views = {}
+        finally:
+            if client is not None:
+                client.close()
+            if self.workdir is not None:
+                shutil.rmtree(self.workdir, ignore_errors=True)
+                self.workdir = None
+            self.ranks = []
+            self._views = {}
 
     def processes(self) -> list[psutil.Process]:
         """Controller, engines and their helper processes (nannies, schedulers) now running."""
@@ -315,8 +374,12 @@ class RankCluster:
         return trace_code.read_snapshots(self.trace_dir, ranks, still_running)
 
     # ------------------------------------------------------------------- stacks
+    @property
+    def stacks_dir(self) -> Path:
+        return self.workdir / "stacks"
+
     def stack_dump_path(self, rank: int) -> Path:
-        return self.workdir / "stacks" / f"rank{rank}.txt"
+        return self.stacks_dir / f"rank{rank}.txt"
 
     def dump_stacks(self, ranks: list[int], wait: float = 3.0) -> dict[int, str]:
         """Python stacks of every thread of ``ranks``, even while they block in C code."""
@@ -382,6 +445,15 @@ def _remove_if_orphaned(workdir: Path) -> list[str]:
     if workdir.exists():
         reports.append(f"could not remove {workdir}")
     return reports
+
+
+def _kill_engines(client: ipp.Client | None) -> None:
+    """SIGKILL every engine. Engines hold nothing to save, and one blocked in gloo ignores
+    SIGTERM. Killed (through its nanny) while the controller runs, each engine's nanny tells the
+    controller and exits at once; with the controller gone it would linger seconds trying."""
+    if client is not None and client.ids:
+        client.send_signal(signal.SIGKILL, targets=client.ids, block=False)
+        _wait_until_unregistered(client, timeout=STOP_GRACE_SECONDS)
 
 
 def _wait_until_unregistered(client: ipp.Client, timeout: float) -> None:

@@ -1,16 +1,57 @@
 """Entry point for a rank's engine: ``python -m ddp_magics.engine`` (ipengine's arguments).
 
-The engine exits with its nanny when the kernel that owns the cluster ends. torch takes
-seconds to import; starting that import before the engine connects lets it overlap the
-engine's own start-up and registration instead of following them.
+Engines forked by the cluster's zygote (:mod:`ddp_magics.zygote`) call :func:`run` too.
 """
+
+import os
+import sys
+from pathlib import Path
+
+from traitlets.config import Config
 
 from ddp_magics.lifetime import watch_owner
 from ddp_magics.rank import start_background_import
+from ddp_magics.zygote import ZYGOTE_SOCKET_ENV, fork_nanny
 
-if __name__ == "__main__":
+
+def run(argv: list[str] | None = None) -> None:
+    """Run an ipyparallel engine (until it stops) that exits with its nanny when the kernel that
+    owns the cluster ends. torch takes seconds to import; starting that import before the engine
+    connects lets it overlap the engine's own start-up and registration."""
+    if argv is not None:
+        sys.argv = ["ddp_magics.engine", *argv]
     watch_owner()
     start_background_import()
-    from ipyparallel.engine.app import main
+    _engine_class().launch_instance()
 
-    main()
+
+def _engine_class():
+    """ipyparallel's engine; forked by a zygote, one whose nanny the zygote forks too."""
+    from ipyparallel.engine.app import IPEngine
+
+    zygote = os.environ.get(ZYGOTE_SOCKET_ENV)
+    if not zygote:
+        return IPEngine
+
+    class ZygoteNannyEngine(IPEngine):
+        def start_nanny(self, control_url):
+            """ipyparallel's own arguments for the nanny (as in ``IPEngine.start_nanny``)."""
+            config = Config()
+            config.Session = self.config.Session
+            arguments = dict(
+                engine_id=self.id,
+                identity=self.bident,
+                control_url=control_url,
+                curve_serverkey=self.curve_serverkey,
+                curve_secretkey=self.curve_secretkey,
+                curve_publickey=self.curve_publickey,
+                registration_url=self.registration_url,
+                config=config,
+            )
+            return fork_nanny(Path(zygote), arguments)
+
+    return ZygoteNannyEngine
+
+
+if __name__ == "__main__":
+    run()

@@ -34,6 +34,7 @@ CLUSTER_DIR_ENV = "DDP_MAGICS_CLUSTER_DIR"
 # Where pidfds are missing (not Linux, or a kernel before 5.3) the owner is polled this often.
 POLL_SECONDS = 0.2
 OWNER_GONE_EXIT_CODE = 3
+RECORDED_PIDS_FILE = "processes"  # PIDs of the cluster's processes ipyparallel does not list
 EXIT_POLL_SECONDS = 0.02
 
 
@@ -67,20 +68,30 @@ class Owner:
     def alive(self) -> bool:
         return process_alive(self.pid, self.create_time)
 
-    def wait(self) -> None:
-        """Block until the owner has exited (at once if it already has)."""
+    def pidfd(self) -> int | None:
+        """A file descriptor that becomes readable when the owner exits (at once if it already
+        has); None where the system has no pidfds (then poll :meth:`alive`)."""
         try:
             pidfd = os.pidfd_open(self.pid)
         except ProcessLookupError:
-            return
-        except (AttributeError, OSError):  # no pidfds on this system
+            return os.open(os.devnull, os.O_RDONLY)  # always readable: the owner is gone
+        except (AttributeError, OSError):
+            return None
+        # Checked after opening the pidfd: a PID reused before it opened is another process.
+        if not self.alive():
+            os.close(pidfd)
+            return os.open(os.devnull, os.O_RDONLY)
+        return pidfd
+
+    def wait(self) -> None:
+        """Block until the owner has exited (at once if it already has)."""
+        pidfd = self.pidfd()
+        if pidfd is None:
             while self.alive():
                 time.sleep(POLL_SECONDS)
             return
         try:
-            # Checked after opening the pidfd: a PID reused before it opened is another process.
-            if self.alive():
-                select.select([pidfd], [], [])  # readable once the process has exited
+            select.select([pidfd], [], [])
         finally:
             os.close(pidfd)
 
@@ -129,6 +140,12 @@ def watch_owner(remove_cluster_dir: bool = False) -> None:
 
 def _exit_after(owner: Owner, cluster_dir: Path | None) -> None:
     owner.wait()
+    exit_with_children(owner, cluster_dir)
+
+
+def exit_with_children(owner: Owner, cluster_dir: Path | None = None) -> None:
+    """Kill this process's children and exit; with ``cluster_dir``, first wait for the cluster's
+    other processes and remove the directory. Never returns."""
     print(f"ddp_magics: the cluster's owner (PID {owner.pid}) has ended; exiting", file=sys.stderr)
     me = psutil.Process()
     kill_now(me.children(recursive=True))
@@ -145,22 +162,24 @@ def cluster_processes(cluster_dir: Path) -> list[psutil.Process]:
     """The controller and engines listed in the cluster's ipyparallel files, with their
     children (nannies, schedulers), as far as they still run.
 
-    A listed PID counts only if its environment names ``cluster_dir``: a PID reused by an
-    unrelated process is never touched. A file half written or being removed lists nothing.
+    Also the processes listed by :func:`record_process`. A listed PID counts only if its
+    environment names ``cluster_dir``: a PID reused by an unrelated process is never touched.
+    A file half written or being removed lists nothing.
     """
-    listed = []
+    listed = recorded_pids(cluster_dir)
     for cluster_file in (cluster_dir / "profile" / "security").glob("cluster-*.json"):
         listed.extend(cluster_file_pids(cluster_file))
-    processes = []
+    processes: dict[int, psutil.Process] = {}
     for pid in dict.fromkeys(listed):
         try:
             process = psutil.Process(pid)
             if not _launched_for(process, cluster_dir):
                 continue
-            processes.extend([process, *process.children(recursive=True)])
+            for member in [process, *process.children(recursive=True)]:
+                processes.setdefault(member.pid, member)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
-    return processes
+    return list(processes.values())
 
 
 def _launched_for(process: psutil.Process, cluster_dir: Path) -> bool:
@@ -169,6 +188,20 @@ def _launched_for(process: psutil.Process, cluster_dir: Path) -> bool:
     return environment.get(CLUSTER_DIR_ENV) == str(cluster_dir) or environment.get(
         "IPP_PROFILE_DIR"
     ) == str(cluster_dir / "profile")
+
+
+def record_process(cluster_dir: Path, pid: int) -> None:
+    """List a process of the cluster that ipyparallel does not know of (the zygote)."""
+    with open(cluster_dir / RECORDED_PIDS_FILE, "a") as file:
+        file.write(f"{pid}\n")
+
+
+def recorded_pids(cluster_dir: Path) -> list[int]:
+    try:
+        text = (cluster_dir / RECORDED_PIDS_FILE).read_text()
+    except FileNotFoundError:
+        return []
+    return [int(line) for line in text.split() if line.isdigit()]
 
 
 def cluster_file_pids(cluster_file: Path) -> list[int]:

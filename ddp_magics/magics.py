@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import html
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ipyparallel.error import CompositeError
@@ -15,7 +16,7 @@ from IPython.display import display
 from traitlets import Bool, Enum, Float, Integer, Unicode
 
 from ddp_magics import cluster as cluster_module
-from ddp_magics.cluster import BACKENDS, ClusterError, RankCluster
+from ddp_magics.cluster import BACKENDS, ClusterError, Progress, RankCluster
 from ddp_magics.errors import (
     RESTART_ADVICE,
     BlockedRank,
@@ -121,7 +122,11 @@ class DistributedMagics(Magics):
     live_view_after = Float(
         1.0, config=True, help="Seconds after which a running cell shows its ranks' progress."
     )
-    heartbeat_ms = Integer(250, config=True, help="ipyparallel heartbeat period (ms).")
+    heartbeat_ms = Integer(
+        100,
+        config=True,
+        help="ipyparallel heartbeat period (ms); an engine silent for 3 s is dead whatever the period.",
+    )
     trace_values_limit = Integer(
         16, config=True, help="Traced tensors with at most this many elements keep their values."
     )
@@ -176,9 +181,16 @@ class DistributedMagics(Magics):
             )
         )
 
-    def _start(self, cluster: RankCluster, restarting: bool = False) -> None:
-        """Start ``cluster`` (after stopping the running one, when ``restarting``), showing
-        each step while it runs."""
+    def _start(self, cluster: RankCluster) -> None:
+        self._with_progress("%dist_start", cluster.start)
+        self.cluster = cluster
+        self._unfinished = None
+        atexit.register(cluster.stop)
+        print(self._summary())
+
+    def _with_progress(self, magic: str, action: Callable[[Progress], None]) -> None:
+        """Run ``action(progress)``, showing each step it reports while it runs; a ClusterError
+        becomes a one-line error."""
         live = LiveView(self._in_kernel())
         steps: list[str] = []
 
@@ -186,20 +198,12 @@ class DistributedMagics(Magics):
             steps.append(message)
             live.update("<br>".join(html.escape(step) for step in steps) + " …")
 
-        magic = "%dist_restart" if restarting else "%dist_start"
         try:
-            if restarting and self.cluster is not None:
-                progress(f"stopping the {self.cluster.n} running ranks")
-                self._stop_cluster()
-            cluster.start(progress)
+            action(progress)
         except ClusterError as error:
             raise usage_error(f"{magic} failed: {error}") from None
         finally:
             live.close()
-        self.cluster = cluster
-        self._unfinished = None
-        atexit.register(cluster.stop)
-        print(self._summary())
 
     def _summary(self) -> str:
         devices = [info.device for info in self.cluster.ranks]
@@ -236,15 +240,25 @@ class DistributedMagics(Magics):
             raise usage_error(f"%dist_restart takes no arguments, got {line.strip()!r}")
         if self.cluster is None and self._last_config is None:
             raise usage_error("No cluster to restart: start one with %dist_start")
+        if self.cluster is not None and self.cluster.restartable_in_place:
+            # The controller and the zygote stay: only the engines are new.
+            self._unfinished = None
+            try:
+                self._with_progress("%dist_restart", self.cluster.restart)
+            finally:
+                if not self.cluster.running:  # the restart failed and stopped the cluster
+                    self._stop_cluster()
+            print(self._summary())
+            return
         if self.cluster is not None:
             self._last_config["backend"] = self.cluster.backend
+            self._stop_cluster()
         self._start(
             RankCluster(
                 heartbeat_ms=self.heartbeat_ms,
                 engine_launcher=self.engine_launcher,
                 **self._last_config,
-            ),
-            restarting=True,
+            )
         )
 
     def report_strays(self) -> None:

@@ -20,6 +20,8 @@ INLINE_BACKEND = "module://matplotlib_inline.backend_inline"
 
 # Kept alive for faulthandler, which writes to the file descriptor of this object.
 _stack_dump_file = None
+# Rank 0's rendezvous store between open_rendezvous() and setup_rank().
+_rendezvous_server = None
 
 
 def start_background_import() -> None:
@@ -39,15 +41,15 @@ def numbered_cell(code: str, number: int) -> str:
 def take_cell_number(lines: list[str]) -> list[str]:
     """IPython input transformer (run before any other): drop the header of :func:`numbered_cell`
     and number the cell as the notebook does, so tracebacks (``Cell In[9]``), ``Out[9]`` and
-    ``_i9`` on a rank name the notebook's cell 9. Numbers only move forward (history keeps
-    one entry per number)."""
+    ``_i9`` on a rank name the notebook's cell 9. (Engines keep no history database, which
+    would refuse a number twice.)"""
     if not lines or not lines[0].startswith(CELL_NUMBER_HEADER):
         return lines
     from IPython import get_ipython
 
     shell = get_ipython()
     number = int(lines[0][len(CELL_NUMBER_HEADER) :].strip().rstrip("]"))
-    shell.execution_count = max(number, shell.execution_count)
+    shell.execution_count = number
     return lines[1:]
 
 
@@ -90,6 +92,42 @@ class RankSetup:
     stack_dump_path: str
 
 
+def open_rendezvous(setup: RankSetup) -> None:
+    """On rank 0, before any rank joins: start the store the ranks meet at (MASTER_ADDR:MASTER_PORT).
+
+    Ranks that connect before it listens back off for about half a second; started first, it
+    listens when they come. It is the store ``env://`` would make (``multi_tenant``, so a later
+    ``env://`` group on this port in this process shares it), and only the process group keeps
+    it once formed: destroying the group frees the port, as with ``env://``.
+    """
+    global _rendezvous_server
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    _rendezvous_server = dist.TCPStore(
+        setup.master_addr,
+        setup.master_port,
+        setup.world_size,
+        is_master=True,
+        timeout=timedelta(seconds=setup.timeout_s),
+        wait_for_workers=False,
+        multi_tenant=True,
+    )
+
+
+def _rendezvous_store(setup: RankSetup, timeout):
+    global _rendezvous_server
+    import torch.distributed as dist
+
+    if setup.rank == 0:
+        store, _rendezvous_server = _rendezvous_server, None
+        return store
+    return dist.TCPStore(
+        setup.master_addr, setup.master_port, setup.world_size, is_master=False, timeout=timeout
+    )
+
+
 def setup_rank(setup: RankSetup) -> str:
     """Join the process group and define rank, world_size, ... in the user namespace.
 
@@ -119,12 +157,13 @@ def setup_rank(setup: RankSetup) -> str:
     device = torch.device(setup.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    timeout = timedelta(seconds=setup.timeout_s)
     dist.init_process_group(
         backend=setup.backend,
-        init_method="env://",
+        store=_rendezvous_store(setup, timeout),
         rank=setup.rank,
         world_size=setup.world_size,
-        timeout=timedelta(seconds=setup.timeout_s),
+        timeout=timeout,
     )
     shell = get_ipython()
     if take_cell_number not in shell.input_transformers_cleanup:

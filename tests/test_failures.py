@@ -12,7 +12,7 @@ from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
 from ddp_magics.errors import DistributedCellError, short_path
-from tests.conftest import run_cell, shown_text
+from tests.conftest import assert_gone, run_cell, shown_text
 
 RECV_NEVER_SENT = """\
 t = torch.zeros(2)
@@ -147,3 +147,35 @@ def test_ranks_failing_alike_share_one_traceback_numbered_like_the_notebook(ip, 
 
 def _plain(text: str) -> str:
     return re.sub(r"\x1b\[[0-9;]*m", "", text)
+
+
+def test_restart_after_a_hang_forks_fresh_ranks_from_the_same_zygote(ip, healthy):
+    cluster = healthy.cluster
+    zygote = _parent_of_the_ranks(cluster)
+    controller = _controller(cluster.processes())
+    old_ranks = [psutil.Process(info.pid) for info in cluster.ranks]
+    _, error = run_cell(ip, "--timeout 2", RECV_NEVER_SENT)
+    assert "rank 0 still running" in str(error)
+
+    with capture_output() as captured:
+        ip.run_line_magic("dist_restart", "")
+    assert captured.stdout.strip() == "2 ranks ready: backend gloo, world size 2, devices cpu x2"
+    assert_gone(old_ranks, timeout=0.5)
+    assert not {info.pid for info in cluster.ranks} & {p.pid for p in old_ranks}
+    assert _parent_of_the_ranks(cluster) == zygote and zygote.is_running()
+    assert _controller(cluster.processes()) == controller
+    captured, error = run_cell(ip, "", "t = torch.tensor([rank + 1.0])\ndist.all_reduce(t)\nt.item()")
+    assert error is None
+    assert shown_text(captured) == "[ranks 0,1]\n3.0"
+
+
+def _parent_of_the_ranks(cluster) -> psutil.Process:
+    (parent,) = {psutil.Process(info.pid).parent() for info in cluster.ranks}
+    return parent
+
+
+def _controller(processes: list[psutil.Process]) -> list[psutil.Process]:
+    """The controller and the schedulers it forked (they share its command line)."""
+    return sorted(
+        (p for p in processes if "-m ddp_magics.controller" in " ".join(p.cmdline())), key=lambda p: p.pid
+    )

@@ -44,6 +44,8 @@ def _cluster_processes(magics) -> list[psutil.Process]:
     engines = {info.pid for info in magics.cluster.ranks}
     assert engines <= {p.pid for p in processes}
     assert len(processes) > len(engines) + 1, "expected the controller and nannies too"
+    zygotes = {psutil.Process(pid).parent() for pid in engines}
+    assert len(zygotes) == 1 and zygotes <= set(processes), "expected the zygote, parent of the engines"
     return processes
 
 

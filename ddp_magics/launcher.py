@@ -1,0 +1,100 @@
+"""Local engines forked by the cluster's zygote (:mod:`ddp_magics.zygote`): the notebook side.
+
+Part of the cluster layer: only :mod:`ddp_magics.cluster` uses it. :class:`Zygote` starts and
+stops the zygote process; :class:`ZygoteEngineSetLauncher` is an ipyparallel engine launcher
+(``ipyparallel.Cluster(engines=ZygoteEngineSetLauncher)``), so ipyparallel still owns the
+controller, engine ids, signals and stop, and only how an engine process comes to be differs.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher, ProcessStateError
+
+from ddp_magics.lifetime import CLUSTER_DIR_ENV
+from ddp_magics.zygote import READY, SOCKET_NAME, fork_engine
+
+ZYGOTE_LOG = "zygote.log"
+
+
+class ZygoteError(RuntimeError):
+    """The zygote did not start (its log says why)."""
+
+
+class Zygote:
+    """The zygote process of one cluster, started at once so its imports overlap the
+    controller's start-up."""
+
+    def __init__(self, cluster_dir: Path, environment: dict[str, str]) -> None:
+        self.log_path = cluster_dir / ZYGOTE_LOG
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "ddp_magics.zygote"],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                env={**os.environ, **environment},
+                start_new_session=True,  # the notebook's Ctrl-C is not the zygote's
+            )
+
+    def wait_ready(self, timeout: float) -> None:
+        """Wait until the zygote has imported everything and listens."""
+        readable, _, _ = select.select([self.process.stdout], [], [], timeout)
+        line = self.process.stdout.readline().decode().strip() if readable else ""
+        if line != READY:
+            self.stop()
+            reason = "did not get ready" if not readable else "exited"
+            raise ZygoteError(f"the engines' zygote {reason}: {self._log_tail()}")
+
+    def _log_tail(self, lines: int = 5) -> str:
+        text = self.log_path.read_text(errors="replace").strip().splitlines()
+        return " | ".join(text[-lines:]) or "(nothing in its log)"
+
+    def stop(self, grace: float = 0.5) -> None:
+        """End the zygote (its engines are stopped before, through ipyparallel)."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process.stdout.close()
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+
+class ZygoteEngineLauncher(LocalEngineLauncher):
+    """One engine, forked by the zygote instead of started with ``Popen``; waiting for it,
+    signalling and stopping it are ipyparallel's, by PID, as for any local engine."""
+
+    def start(self) -> None:
+        if self.state != "before":
+            raise ProcessStateError(f"The process was already started and has state: {self.state}")
+        environment = {**os.environ, **self.get_env()}
+        pid = fork_engine(
+            Path(environment[CLUSTER_DIR_ENV]) / SOCKET_NAME,
+            argv=self.cluster_args + self.engine_args,
+            env=environment,
+            cwd=os.path.abspath(self.work_dir),
+            output=self.output_file,
+        )
+        self.pid = pid
+        self.process = psutil.Process(pid)
+        self.notify_start(pid)
+        self._start_waiting()  # LocalProcessLauncher's watcher: notices the engine's exit
+
+
+class ZygoteEngineSetLauncher(LocalEngineSetLauncher):
+    """ipyparallel's local engine set, each engine forked by the zygote."""
+
+    launcher_class = ZygoteEngineLauncher
+
