@@ -1,122 +1,154 @@
-"""Start-up time: from ``%dist_start`` until a first ``%%distributed`` cell has answered.
+"""Start, restart and stop, against the time of one torch import measured in the same run.
 
-  ours:      ``%dist_start -n 2 --backend gloo`` then ``%%distributed`` ``print(rank)``,
-             through the real magics (engines, torch import, process group, first cell);
-  reference: plain ipyparallel defaults doing the same work without our tuning:
-             ``ipyparallel.Cluster(n=2)``, ``start_and_connect_sync()``, then
-             ``client[:].execute("import torch", block=True)`` (3 s heartbeat, default
-             engine delay, torch imported only after the engines connect).
+  reference: ``python -c "import torch.distributed"`` in a new process (what every engine once
+             paid, one after another on a few cores);
+  start:     ``%dist_start -n N --backend gloo`` until a first ``%%distributed`` cell has
+             answered on every rank, at n = 2 and n = 4;
+  restart:   at n = 4, ranks hung on purpose (rank 0 blocked in a ``recv`` nobody sends, the cell
+             reported after ``--timeout 1``), then ``%dist_restart`` until the next cell has
+             answered with a working all_reduce;
+  stop:      ``%dist_stop`` until every process of the cluster has exited (checked by PID).
 
-The two alternate (which one goes first alternates too); stopping a cluster is not timed.
-Target: median(ours) <= 3.5 s at n = 2.  Exits 1 if it is missed.
+Each round runs every measurement once, in an order that rotates from round to round.
+Targets (medians): start <= 1.3 x reference at n = 2 and n = 4, restart <= 1.5 s, stop <= 0.5 s.
+Exits 1 when one is missed.
 
-    .venv/bin/python benchmarks/startup.py               # 5 runs of each
-    .venv/bin/python benchmarks/startup.py --repeats 1   # quick check
+    .venv/bin/python benchmarks/startup.py               # 5 rounds
+    .venv/bin/python benchmarks/startup.py --rounds 1    # quick check
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import statistics
+import subprocess
 import sys
 import time
 
-import ipyparallel as ipp
-import psutil
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
 
-TARGET_SECONDS = 3.5
-TARGET_N = 2
+from ddp_magics.lifetime import wait_for_exit
+
+START_RATIO_TARGET = 1.3
+RESTART_TARGET_SECONDS = 1.5
+STOP_TARGET_SECONDS = 0.5
+HANG = "%%distributed --timeout 1\nif rank == 0:\n    dist.recv(torch.zeros(1), src=1)"
+ALL_REDUCE = "%%distributed\nt = torch.ones(1)\ndist.all_reduce(t)\nprint(rank, t.item())"
 
 
-def stop_cluster(shell: InteractiveShell) -> None:
-    with capture_output():
-        shell.run_line_magic("dist_stop", "")
+def shown(captured) -> str:
+    return "\n".join(output.data.get("text/plain", "") for output in captured.outputs)
 
 
-def time_ours(shell: InteractiveShell, n: int) -> float:
-    """Seconds from %dist_start until the first %%distributed cell has answered."""
+def check_answered(captured, n: int, expected: str) -> None:
+    text = shown(captured)
+    if any(f"{rank} {expected}" not in text for rank in range(n)):
+        raise RuntimeError(f"not every rank answered {expected!r}:\n{text}\n{captured.stdout}")
+
+
+def magics(shell: InteractiveShell):
+    return next(m for m in shell.configurables if type(m).__name__ == "DistributedMagics")
+
+
+def time_import() -> float:
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch.distributed"], check=True)
+    return time.perf_counter() - started
+
+
+def time_start(shell: InteractiveShell, n: int) -> float:
     try:
         started = time.perf_counter()
         with capture_output() as captured:
             shell.run_line_magic("dist_start", f"-n {n} --backend gloo")
-            shell.run_cell_magic("distributed", "", "print(rank)")
+            shell.run_cell("%%distributed\nprint(rank, 'ready')")
         elapsed = time.perf_counter() - started
+        check_answered(captured, n, "ready")
+        return elapsed
     finally:
-        stop_cluster(shell)
-    text = "\n".join(output.data.get("text/plain", "") for output in captured.outputs)
-    missing = [rank for rank in range(n) if f"[rank {rank}]\n{rank}" not in text]
-    if missing:
-        raise RuntimeError(f"ranks {missing} did not print their rank; captured:\n{text}")
-    return elapsed
+        with capture_output():
+            shell.run_line_magic("dist_stop", "")
 
 
-def time_reference(n: int) -> float:
-    """Seconds for plain ipyparallel to start n engines and import torch on them."""
-    cluster = ipp.Cluster(n=n, log_level=logging.WARNING)
-    client = None
+def time_restart_after_hang(shell: InteractiveShell, n: int) -> float:
     try:
+        with capture_output() as captured:
+            shell.run_line_magic("dist_start", f"-n {n} --backend gloo")
+            hung = shell.run_cell(HANG)
+        if "still running" not in str(hung.error_in_exec):
+            raise RuntimeError(f"the hang was not reported: {hung.error_in_exec!r}")
         started = time.perf_counter()
-        with capture_output():  # wait_for_engines draws a progress bar on stderr
-            client = cluster.start_and_connect_sync()
-            client[:].execute("import torch", block=True)
+        with capture_output() as captured:
+            shell.run_line_magic("dist_restart", "")
+            shell.run_cell(ALL_REDUCE)
         elapsed = time.perf_counter() - started
+        check_answered(captured, n, f"{float(n)}")
+        return elapsed
     finally:
-        # The launchers start controller and engines as our children: note their PIDs
-        # now, so that they can be waited for (and killed by PID if need be) once stopped.
-        started_processes = psutil.Process().children(recursive=True)
-        if client is not None:
-            client.close()
-        cluster.stop_cluster_sync()
-        _, alive = psutil.wait_procs(started_processes, timeout=10)
-        for process in alive:
-            process.kill()
-        psutil.wait_procs(alive, timeout=10)
+        with capture_output():
+            shell.run_line_magic("dist_stop", "")
+
+
+def time_stop(shell: InteractiveShell, n: int) -> float:
+    with capture_output():
+        shell.run_line_magic("dist_start", f"-n {n} --backend gloo")
+        shell.run_cell("%%distributed\nx = rank")
+    processes = magics(shell).cluster.processes()
+    started = time.perf_counter()
+    with capture_output():
+        shell.run_line_magic("dist_stop", "")
+    left = wait_for_exit(processes, timeout=30)
+    elapsed = time.perf_counter() - started
+    if left:
+        raise RuntimeError(f"still running after %dist_stop: {[p.pid for p in left]}")
     return elapsed
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=5, help="runs of each kind (default: 5)")
-    parser.add_argument("-n", type=int, default=TARGET_N, help=f"ranks/engines (default: {TARGET_N})")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of every measurement (default: 5)")
     args = parser.parse_args()
-    if args.repeats < 1 or args.n < 1:
-        parser.error("--repeats and -n must be at least 1")
-
     shell = InteractiveShell.instance()
-    shell.run_line_magic("load_ext", "ddp_magics")
-    ours: list[float] = []
-    reference: list[float] = []
-    try:
-        for repeat in range(args.repeats):
-            order = ("ours", "reference") if repeat % 2 == 0 else ("reference", "ours")
-            for kind in order:
-                if kind == "ours":
-                    ours.append(time_ours(shell, args.n))
-                    print(f"run {repeat + 1}/{args.repeats}  ours       {ours[-1]:6.2f} s", flush=True)
-                else:
-                    reference.append(time_reference(args.n))
-                    print(f"run {repeat + 1}/{args.repeats}  reference  {reference[-1]:6.2f} s", flush=True)
-    finally:
-        stop_cluster(shell)
+    with capture_output():
+        shell.run_line_magic("load_ext", "ddp_magics")
+    measurements = {
+        "import torch.distributed (reference)": time_import,
+        "start n=2 until a cell answers": lambda: time_start(shell, 2),
+        "start n=4 until a cell answers": lambda: time_start(shell, 4),
+        "restart after a hang, n=4": lambda: time_restart_after_hang(shell, 4),
+        "stop n=4 until no process is left": lambda: time_stop(shell, 4),
+    }
+    times: dict[str, list[float]] = {name: [] for name in measurements}
+    names = list(measurements)
+    for round_number in range(args.rounds):
+        shift = round_number % len(names)
+        for name in names[shift:] + names[:shift]:
+            times[name].append(measurements[name]())
+        print(f"round {round_number + 1}/{args.rounds}: " + ", ".join(f"{times[n][-1]:.2f}" for n in names))
 
-    ours_median = statistics.median(ours)
-    reference_median = statistics.median(reference)
-    print()
-    print(f"start-up until the first cell has answered, n={args.n}, {args.repeats} runs each")
-    print(f"  ours       median {ours_median:6.2f} s  (min {min(ours):.2f}, max {max(ours):.2f})")
-    print(
-        f"  reference  median {reference_median:6.2f} s  "
-        f"(min {min(reference):.2f}, max {max(reference):.2f})  plain ipyparallel + import torch"
-    )
-    print(f"  ratio ours/reference {ours_median / reference_median:.2f}")
-    if args.n != TARGET_N:
-        print(f"  target: ours <= {TARGET_SECONDS} s median at n={TARGET_N} (not checked at n={args.n})")
-        return 0
-    passed = ours_median <= TARGET_SECONDS
-    print(f"  target: ours <= {TARGET_SECONDS} s median at n={TARGET_N}: {'PASS' if passed else 'FAIL'}")
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    reference = medians[names[0]]
+    targets = {
+        names[1]: (START_RATIO_TARGET * reference, f"<= {START_RATIO_TARGET} x reference"),
+        names[2]: (START_RATIO_TARGET * reference, f"<= {START_RATIO_TARGET} x reference"),
+        names[3]: (RESTART_TARGET_SECONDS, f"<= {RESTART_TARGET_SECONDS} s"),
+        names[4]: (STOP_TARGET_SECONDS, f"<= {STOP_TARGET_SECONDS} s"),
+    }
+    print(f"\nmedians of {args.rounds} rounds (min-max), ratio to the reference")
+    passed = True
+    for name in names:
+        values = times[name]
+        line = (
+            f"  {name:<38} {medians[name]:6.2f} s ({min(values):.2f}-{max(values):.2f})"
+            f"  x{medians[name] / reference:4.2f}"
+        )
+        if name in targets:
+            limit, description = targets[name]
+            met = medians[name] <= limit
+            passed &= met
+            line += f"  target {description}: {'met' if met else 'MISSED'}"
+        print(line)
     return 0 if passed else 1
 
 
