@@ -6,6 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.installed-bench
 CONSTRAINTS := -c constraints.txt
 NBVAL_ARGS := -p no:cacheprovider --nbval --nbval-current-env --nbval-cell-timeout=120
 # JupyterLab refuses to run as root without --allow-root.
@@ -58,11 +59,18 @@ test: install browser
 notebooks: install
 	$(PY) scripts/execute_notebooks.py
 
-bench: install
+# The bench extra adds the peers benchmarks/peers.py compares with.
+$(BENCH_STAMP): $(STAMP)
+	$(PIP) install $(CONSTRAINTS) -e ".[test,bench]"
+	touch $@
+
+bench: $(BENCH_STAMP)
 	-$(PY) benchmarks/cell_latency.py
 	-$(PY) benchmarks/trace_overhead.py
 	-$(PY) benchmarks/ring_allreduce.py
 	-$(PY) benchmarks/kernel_end.py
+	-$(PY) benchmarks/soak.py
+	-$(PY) benchmarks/peers.py
 	$(PY) benchmarks/startup.py
 
 clean:
