@@ -37,7 +37,9 @@ from ddp_magics.lifetime import (
 
 BACKENDS = ("auto", "gloo", "nccl")
 CLUSTERS_ROOT = Path(tempfile.gettempdir()) / f"ddp_magics-{os.getuid()}"
-OWNER_FILE = "owner"  # "PID:start time" of the kernel that started the cluster
+OWNER_FILE = "owner"  # the kernel that started the cluster (lifetime.Owner)
+# A cluster directory without its owner file is being made, or being removed, for this long at most.
+HALF_MADE_SECONDS = 60
 LOCAL_HOST = "127.0.0.1"
 # How long stopping waits for a step that normally takes milliseconds before forcing it.
 STOP_GRACE_SECONDS = 0.5
@@ -431,7 +433,9 @@ def _remove_if_orphaned(workdir: Path) -> list[str]:
     try:
         owner = Owner.parse((workdir / OWNER_FILE).read_text())
     except FileNotFoundError:
-        return []  # being created by another kernel right now, or being removed by its controller
+        if time.time() - workdir.stat().st_mtime < HALF_MADE_SECONDS:
+            return []  # being created by another kernel right now, or being removed by its controller
+        owner = None  # its removal was cut short
     except ValueError:
         owner = None  # written by an older version of ddp_magics
     if owner is not None and owner.alive():

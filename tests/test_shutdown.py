@@ -186,14 +186,21 @@ def test_stray_recovery_of_half_removed_clusters_never_raises(ip):
     shutil.rmtree(no_security_dir / "profile")
     old_owner_format = _stray_cluster("old-owner-format", cluster_json=_cluster_json([]))
     (old_owner_format / OWNER_FILE).write_text('{"pid": 1, "create_time": 0.0}')
-    strays = [half_written, no_cluster_file, no_security_dir, old_owner_format]
+    removal_cut_short = _stray_cluster("removal-cut-short", cluster_json=None)
+    (removal_cut_short / OWNER_FILE).unlink()
+    an_hour_ago = time.time() - 3600
+    os.utime(removal_cut_short, (an_hour_ago, an_hour_ago))
+    being_made = _stray_cluster("being-made", cluster_json=None)  # no owner file yet, just now
+    (being_made / OWNER_FILE).unlink()
+    strays = [half_written, no_cluster_file, no_security_dir, old_owner_format, removal_cut_short]
     try:
         ip.run_line_magic("unload_ext", "ddp_magics")
         with capture_output() as captured:
             ip.run_line_magic("load_ext", "ddp_magics")
         assert captured.stdout == ""
         assert not [path for path in strays if path.exists()]
+        assert being_made.exists()
         assert "distributed" in ip.magics_manager.magics["cell"]
     finally:
-        for path in strays:
+        for path in [*strays, being_made]:
             shutil.rmtree(path, ignore_errors=True)
