@@ -343,8 +343,8 @@ def test_interrupt_button(lab, open_notebook):
     notebook = open_notebook(lab.add_notebook("interrupt.ipynb", [START, sleepy, after, "%dist_stop"]))
     notebook.run_and_wait(0)
     notebook.run(1)
-    expect(notebook.cell(1).locator(".jp-InputPrompt")).to_have_text("[*]:")
-    time.sleep(1)  # let the cell reach the ranks: the interrupt is for a running cell
+    # The live view shows once the ranks run the cell: the interrupt is for a running cell.
+    expect(notebook.output(1).filter(has_text="running for")).to_be_visible(timeout=10_000)
     notebook.page.locator("jp-button[data-command='notebook:interrupt-kernel']").click()
     notebook.wait_done(1, timeout=30)
     error = notebook.text(1)
