@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import pickle
 import shutil
 import signal
 import sys
@@ -23,8 +24,9 @@ import ipyparallel as ipp
 import psutil
 from traitlets.config import Config
 
-from ddp_magics import rank as rank_code
-from ddp_magics import trace as trace_code
+from ddp_magics import protocol
+from ddp_magics.engine import rank as rank_code
+from ddp_magics.engine import recorder
 from ddp_magics.launcher import Zygote, ZygoteEngineSetLauncher, ZygoteError
 from ddp_magics.lifetime import (
     Owner,
@@ -259,7 +261,7 @@ class RankCluster:
         ]
         progress(f"forming the {self.backend} process group")
         setups = [
-            rank_code.RankSetup(
+            protocol.RankSetup(
                 rank=info.rank,
                 local_rank=info.local_rank,
                 world_size=self.n,
@@ -345,7 +347,7 @@ class RankCluster:
 
     def execute(self, code: str, ranks: list[int], cell_number: int) -> ipp.AsyncResult:
         """Start running ``code`` on ``ranks`` as the notebook's cell ``cell_number``; returns at once."""
-        numbered = rank_code.numbered_cell(code, cell_number)
+        numbered = protocol.numbered_cell(code, cell_number)
         return self._view(ranks).execute(numbered, silent=False, block=False)
 
     def push(self, namespace: dict) -> None:
@@ -365,7 +367,7 @@ class RankCluster:
 
     def start_trace(self, ranks: list[int], values_limit: int) -> ipp.AsyncResult:
         """Trace the next cell sent to ``ranks``; returns at once (the engines keep the order)."""
-        return self._view(ranks).apply_async(trace_code.start_trace, str(self.trace_dir), values_limit)
+        return self._view(ranks).apply_async(recorder.start_trace, str(self.trace_dir), values_limit)
 
     def read_traces(self, ranks: list[int], still_running: list[int]) -> dict[int, list]:
         """The traced events of ``ranks`` from their snapshot files; ranks ``still_running`` are
@@ -373,7 +375,7 @@ class RankCluster:
 
         Like stack dumps, this reads files in the cluster's directory: engines on this host only.
         """
-        return trace_code.read_snapshots(self.trace_dir, ranks, still_running)
+        return _read_snapshots(self.trace_dir, ranks, still_running)
 
     # ------------------------------------------------------------------- stacks
     @property
@@ -387,7 +389,7 @@ class RankCluster:
         """Python stacks of every thread of ``ranks``, even while they block in C code."""
         paths = {rank: self.stack_dump_path(rank) for rank in ranks}
         offsets = {rank: _file_size(path) for rank, path in paths.items()}
-        self._client.send_signal(rank_code.STACK_DUMP_SIGNAL, targets=self.engine_ids(ranks), block=True)
+        self._client.send_signal(protocol.STACK_DUMP_SIGNAL, targets=self.engine_ids(ranks), block=True)
         dumps: dict[int, str] = {}
         deadline = time.monotonic() + wait
         while len(dumps) < len(ranks) and time.monotonic() < deadline:
@@ -500,6 +502,40 @@ def _read_from(path: Path, offset: int) -> str:
 def _read_after_pause(path: Path, offset: int) -> str:
     time.sleep(0.05)
     return _read_from(path, offset)
+
+
+def _read_snapshots(
+    directory: Path, ranks: list[int], still_running: list[int], wait: float = 2.0
+) -> dict[int, list[protocol.TraceEvent]]:
+    """The events of ``ranks`` so far, from their snapshot files (works while ranks block).
+
+    Ranks that finished the cell wrote their final snapshot; ``still_running`` ranks are asked
+    for one. A rank that does not answer within ``wait`` seconds gives [].
+    """
+    asked = []
+    for rank in still_running:
+        snapshot = directory / recorder.TRACE_FILE.format(rank=rank)
+        snapshot.unlink(missing_ok=True)
+        try:
+            request = directory / recorder.REQUEST_FILE.format(rank=rank)
+            descriptor = os.open(request, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:  # no FIFO, or nobody reading it: this rank never traced
+            continue
+        try:
+            os.write(descriptor, b"s")
+        finally:
+            os.close(descriptor)
+        asked.append(snapshot)
+    deadline = time.monotonic() + wait
+    while not all(path.exists() for path in asked) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    snapshots = {}
+    for rank in ranks:
+        try:
+            snapshots[rank] = pickle.loads((directory / recorder.TRACE_FILE.format(rank=rank)).read_bytes())
+        except FileNotFoundError:
+            snapshots[rank] = []
+    return snapshots
 
 
 def _format_ranks(ranks: list[int]) -> str:

@@ -3,8 +3,8 @@
 - ``draw_trace(trace)``: one step (a collective, or a send with its recv) as rank boxes with
   their values before and after and an arrow for every rank-to-rank movement of data; or, for a
   sequence, a timeline with one lane per rank.
-- ``draw_op("all_reduce", [[1], [2]])``: the same picture for an op that is not run, computed
-  from example inputs (for lessons).
+- ``draw_step(trace, n)``: step n alone (lessons draw ops that are not run with it: see
+  :mod:`ddp_magics.lessons`).
 
 Each :class:`Diagram` shows as an image in a notebook and has a deterministic text form (the
 listing of ops and values) that nbval compares. Artists carry gids (``before:0``,
@@ -19,20 +19,8 @@ import textwrap
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 
-from ddp_magics.errors import rank_label
-from ddp_magics.trace import (
-    COLLECTIVE,
-    OPS,
-    RUNNING,
-    TRANSFER,
-    WAIT,
-    Step,
-    Trace,
-    TraceEvent,
-    format_values,
-    plural,
-    simulated_trace,
-)
+from ddp_magics.matching import COLLECTIVE, TRANSFER, Step, Trace
+from ddp_magics.protocol import OPS, RUNNING, WAIT, TraceEvent, format_values, plural, rank_label
 
 MAX_TIMELINE_STEPS = 30  # in the text listing
 MAX_TIMELINE_COLUMNS = 16
@@ -94,14 +82,6 @@ def draw_trace(trace: Trace, step: int | None = None, timeline: bool | None = No
     if timeline is None:
         timeline = len(trace.steps) != 1
     return draw_timeline(trace) if timeline else draw_step(trace, 1)
-
-
-def draw_op(op: str, values: list[list], *, root: int = 0, dst: int = 1, reduce_op: str = "SUM") -> Diagram:
-    """The picture of ``op`` on ``len(values)`` ranks whose inputs are ``values`` (nothing runs).
-
-    ``draw_op("all_reduce", [[1.0], [2.0]])``; for ``send``, rank ``root`` sends to ``dst``.
-    """
-    return draw_step(simulated_trace(op, values, root=root, dst=dst, reduce_op=reduce_op), 1)
 
 
 # --------------------------------------------------------------------------- one step

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from IPython.core.error import UsageError
+
+from ddp_magics.protocol import rank_label
+from ddp_magics.stacks import BlockedRank
 
 RESTART_ADVICE = "Run %dist_restart to get working ranks back (same world size and backend)."
 
@@ -17,137 +18,6 @@ def usage_error(message: str) -> UsageError:
     return UsageError(message)
 
 
-def format_ranks(ranks: list[int]) -> str:
-    """``[0, 1, 2, 3]`` -> ``0-3``; ``[0, 2]`` -> ``0,2``; runs of three or more become ranges."""
-    ordered = sorted(ranks)
-    parts: list[str] = []
-    start = 0
-    while start < len(ordered):
-        end = start
-        while end + 1 < len(ordered) and ordered[end + 1] == ordered[end] + 1:
-            end += 1
-        if end - start >= 2:
-            parts.append(f"{ordered[start]}-{ordered[end]}")
-        else:
-            parts.extend(str(rank) for rank in ordered[start : end + 1])
-        start = end + 1
-    return ",".join(parts)
-
-
-def rank_label(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)}"
-
-
-# ------------------------------------------------------------------ stack dumps
-@dataclass(frozen=True)
-class Frame:
-    filename: str
-    line: int
-    function: str
-
-
-_THREAD_HEADER = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)", re.MULTILINE)
-_FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>\S+)', re.MULTILINE)
-_DIST_API_FILE = "torch/distributed/distributed_c10d.py"
-
-
-def parse_stack_dump(dump: str) -> list[list[Frame]]:
-    """faulthandler's text -> one frame list per thread, most recent call first."""
-    starts = [match.start() for match in _THREAD_HEADER.finditer(dump)] or [0]
-    threads = []
-    for begin, end in zip(starts, [*starts[1:], len(dump)]):
-        frames = [
-            Frame(match["file"], int(match["line"]), match["func"])
-            for match in _FRAME.finditer(dump[begin:end])
-        ]
-        if frames:
-            threads.append(frames)
-    return threads
-
-
-def cell_frames(threads: list[list[Frame]]) -> list[Frame]:
-    """The frames of the thread running the cell, from the cell inwards (most recent last)."""
-    for frames in threads:
-        for index, frame in enumerate(frames):
-            if frame.function == "run_code" and frame.filename.endswith("interactiveshell.py"):
-                return list(reversed(frames[:index]))
-    return []
-
-
-@dataclass(frozen=True)
-class BlockedRank:
-    """Where a rank that did not finish is, read from its stack dump."""
-
-    rank: int
-    cell_line: int | None = None
-    source_line: str | None = None
-    dist_call: str | None = None
-    frames: tuple[Frame, ...] = ()
-    dump_missing: bool = False
-    traced_call: str | None = None  # from the cell's trace: ``recv from rank 1``
-
-    @classmethod
-    def from_dump(cls, rank: int, dump: str | None, cell: str, traced_call: str | None = None) -> BlockedRank:
-        if not dump:
-            return cls(rank=rank, dump_missing=True, traced_call=traced_call)
-        frames = cell_frames(parse_stack_dump(dump))
-        if not frames:
-            return cls(rank=rank, traced_call=traced_call)
-        cell_line = frames[0].line
-        lines = cell.splitlines()
-        source = lines[cell_line - 1].strip() if 0 < cell_line <= len(lines) else None
-        dist_calls = [frame.function for frame in frames if frame.filename.endswith(_DIST_API_FILE)]
-        return cls(
-            rank=rank,
-            cell_line=cell_line,
-            source_line=source,
-            dist_call=dist_calls[0] if dist_calls else None,
-            frames=tuple(frames),
-            traced_call=traced_call,
-        )
-
-    def where(self) -> str:
-        """``in all_reduce at cell line 3``, as far as it is known."""
-        parts = []
-        if self.traced_call:
-            parts.append(f"in {self.traced_call}")
-        elif self.dist_call:
-            parts.append(f"in {self.dist_call}")
-        if self.cell_line is not None:
-            parts.append(f"at cell line {self.cell_line}")
-        return " ".join(parts) or "at an unknown place"
-
-    def report_lines(self) -> list[str]:
-        if self.dump_missing:
-            return ["    (no stack dump arrived from this rank)"]
-        lines = []
-        if self.source_line is not None:
-            lines.append(f"    line {self.cell_line}: {self.source_line}")
-        if self.frames:
-            lines.append("    Python stack, most recent call last:")
-            cell_file = self.frames[0].filename
-            for frame in self.frames:
-                where = short_path(frame.filename, cell_file)
-                lines.append(f'      File "{where}", line {frame.line}, in {frame.function}')
-        return lines
-
-
-def short_path(filename: str, cell_file: str) -> str:
-    """``<cell>`` for the cell's own code, ``torch/distributed/...`` for installed packages:
-    the part that says what the code is, without this machine's directories."""
-    if filename == cell_file:
-        return "<cell>"
-    if filename.startswith(_PACKAGE_DIR):  # ddp_magics itself, also when installed editable
-        return f"ddp_magics/{filename[len(_PACKAGE_DIR) :]}"
-    for marker in ("/site-packages/", "/dist-packages/"):
-        if marker in filename:
-            return filename.split(marker, 1)[1]
-    standard_library = _STANDARD_LIBRARY.search(filename)
-    return filename[standard_library.end() :] if standard_library else filename
-
-
-_STANDARD_LIBRARY = re.compile(r"/lib/python\d+\.\d+/")
-_PACKAGE_DIR = str(Path(__file__).resolve().parent) + os.sep
 
 
 # ------------------------------------------------------------------ cell failures

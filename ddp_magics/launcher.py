@@ -1,4 +1,4 @@
-"""Local engines forked by the cluster's zygote (:mod:`ddp_magics.zygote`): the notebook side.
+"""Local engines forked by the cluster's zygote (:mod:`ddp_magics.engine.zygote`): the notebook side.
 
 Part of the cluster layer: only :mod:`ddp_magics.cluster` uses it. :class:`Zygote` starts and
 stops the zygote process; :class:`ZygoteEngineSetLauncher` is an ipyparallel engine launcher
@@ -18,8 +18,8 @@ from pathlib import Path
 import psutil
 from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher, ProcessStateError
 
+from ddp_magics.engine.zygote import READY, SOCKET_NAME, fork_engine
 from ddp_magics.lifetime import CLUSTER_DIR_ENV
-from ddp_magics.zygote import READY, SOCKET_NAME, fork_engine
 
 ZYGOTE_LOG = "zygote.log"
 
@@ -36,7 +36,7 @@ class Zygote:
         self.log_path = cluster_dir / ZYGOTE_LOG
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "ddp_magics.zygote"],
+                [sys.executable, "-m", "ddp_magics.engine.zygote"],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=log,

@@ -17,18 +17,12 @@ from traitlets import Bool, Enum, Float, Integer, Unicode
 
 from ddp_magics import cluster as cluster_module
 from ddp_magics.cluster import BACKENDS, ClusterError, Progress, RankCluster
-from ddp_magics.errors import (
-    RESTART_ADVICE,
-    BlockedRank,
-    DistributedCellError,
-    failure_from_remote_error,
-    format_ranks,
-    rank_label,
-    usage_error,
-)
+from ddp_magics.errors import RESTART_ADVICE, DistributedCellError, failure_from_remote_error, usage_error
+from ddp_magics.live_view import LiveView
+from ddp_magics.matching import Trace
 from ddp_magics.output import RankOutput, StatusTable, live_html, render
-from ddp_magics.trace import Trace
-from ddp_magics.widgets import LiveView
+from ddp_magics.protocol import format_ranks, rank_label
+from ddp_magics.stacks import BlockedRank
 
 POLL_SECONDS = 0.1
 LIVE_REFRESH_SECONDS = 0.5

@@ -9,7 +9,7 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass, field
 
-from ddp_magics.errors import format_ranks, rank_label
+from ddp_magics.protocol import format_ranks, rank_label
 
 TEXT_ONLY_MIMETYPES = {"text/plain"}
 

@@ -361,7 +361,7 @@ def test_interrupt_button(lab, open_notebook):
 
 
 def test_ring_stepper_buttons(lab, open_notebook):
-    stepper = "from ddp_magics.widgets import RingStepper\nRingStepper([[1, 2], [3, 4]])"
+    stepper = "from ddp_magics.lessons import RingStepper\nRingStepper([[1, 2], [3, 4]])"
     notebook = open_notebook(lab.add_notebook("stepper.ipynb", [stepper]))
     notebook.run_and_wait(0)
     widget = notebook.cell(0).locator(".jp-OutputArea-output")

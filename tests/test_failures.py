@@ -11,7 +11,8 @@ import psutil
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
-from ddp_magics.errors import DistributedCellError, short_path
+from ddp_magics.errors import DistributedCellError
+from ddp_magics.stacks import short_path
 from tests.conftest import assert_gone, run_cell, shown_text
 
 RECV_NEVER_SENT = """\
@@ -27,7 +28,7 @@ def test_stack_paths_lose_this_machines_directories():
     checkout = os.path.dirname(package_dir)
     venv_torch = f"{checkout}/.venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
     assert short_path("/tmp/ipykernel_1/123.py", "/tmp/ipykernel_1/123.py") == "<cell>"
-    assert short_path(f"{package_dir}/trace.py", "") == "ddp_magics/trace.py"
+    assert short_path(f"{package_dir}/engine/recorder.py", "") == "ddp_magics/engine/recorder.py"
     assert short_path(venv_torch, "") == "torch/distributed/distributed_c10d.py"  # a venv inside the checkout
     assert short_path("/usr/lib/python3.11/threading.py", "") == "threading.py"
     assert short_path(f"{checkout}/script.py", "") == f"{checkout}/script.py"  # nothing to shorten it to

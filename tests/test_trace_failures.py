@@ -8,7 +8,7 @@ import os
 import pytest
 
 import ddp_magics
-from ddp_magics import trace as trace_module
+from ddp_magics import matching as trace_module
 from ddp_magics.errors import DistributedCellError
 from tests.conftest import run_cell
 
@@ -73,7 +73,7 @@ def test_mismatch_that_hangs_is_named_in_trace_diagram_and_report(ip, healthy, c
         assert f"[rank {blocked.rank}] still running, in {event.call()} at cell line {event.line}" in report
     # Stack lines name files without this machine's directories, ddp_magics' own tracing wrapper included.
     report_text = "\n".join(report)
-    assert 'File "ddp_magics/trace.py"' in report_text and 'File "<cell>"' in report_text
+    assert 'File "ddp_magics/engine/recorder.py"' in report_text and 'File "<cell>"' in report_text
     assert os.path.dirname(os.path.dirname(ddp_magics.__file__)) not in report_text
     # The diagram was shown before the error, with the mismatch in its text and in red on the figure.
     assert f"Mismatch: {message}" in captured.outputs[-1].data["text/plain"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddp_magics.trace import simulated_trace
+from ddp_magics.lessons import simulated_trace
 from tests.conftest import run_cell, running_cluster, shown_text
 
 WORLD = 4

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddp_magics.widgets import WIDGET_MIMETYPE, RingStepper, ring_allreduce_states
+from ddp_magics.lessons import RingStepper, ring_allreduce_states
+from ddp_magics.live_view import WIDGET_MIMETYPE
 
 
 def inputs_for(world_size: int, length: int) -> list[list[float]]:

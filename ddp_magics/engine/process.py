@@ -1,6 +1,6 @@
-"""Entry point for a rank's engine: ``python -m ddp_magics.engine`` (ipengine's arguments).
+"""A rank's engine process: ``python -m ddp_magics.engine`` (ipengine's arguments) runs :func:`run`.
 
-Engines forked by the cluster's zygote (:mod:`ddp_magics.zygote`) call :func:`run` too.
+Engines forked by the cluster's zygote (:mod:`ddp_magics.engine.zygote`) call :func:`run` too.
 """
 
 import os
@@ -9,9 +9,9 @@ from pathlib import Path
 
 from traitlets.config import Config
 
+from ddp_magics.engine.rank import start_background_import
+from ddp_magics.engine.zygote import ZYGOTE_SOCKET_ENV, fork_nanny
 from ddp_magics.lifetime import watch_owner
-from ddp_magics.rank import start_background_import
-from ddp_magics.zygote import ZYGOTE_SOCKET_ENV, fork_nanny
 
 
 def run(argv: list[str] | None = None) -> None:
@@ -52,6 +52,3 @@ def _engine_class():
 
     return ZygoteNannyEngine
 
-
-if __name__ == "__main__":
-    run()

@@ -1,21 +1,18 @@
 """Code that runs on an engine: probing, process-group setup and the names a cell sees.
 
 Nothing here imports notebook-side modules; the functions are sent to engines by
-reference (``ddp_magics.rank.setup_rank``), so this module must import cheaply.
+reference (``ddp_magics.engine.rank.setup_rank``), so this module must import cheaply.
 """
 
 from __future__ import annotations
 
 import faulthandler
 import os
-import signal
 import socket
 import threading
-from dataclasses import dataclass
 
-STACK_DUMP_SIGNAL = signal.SIGUSR1
-# First line of every cell the notebook sends: the notebook's own number for the cell.
-CELL_NUMBER_HEADER = "# ddp_magics: In["
+from ddp_magics.protocol import CELL_NUMBER_HEADER, STACK_DUMP_SIGNAL, EngineProbe, RankSetup
+
 INLINE_BACKEND = "module://matplotlib_inline.backend_inline"
 
 # Kept alive for faulthandler, which writes to the file descriptor of this object.
@@ -33,11 +30,6 @@ def start_background_import() -> None:
     threading.Thread(target=__import__, args=("torch.distributed",), daemon=True).start()
 
 
-def numbered_cell(code: str, number: int) -> str:
-    """``code`` as sent to the ranks: headed by the number of the notebook cell it comes from."""
-    return f"{CELL_NUMBER_HEADER}{number}]\n{code}"
-
-
 def take_cell_number(lines: list[str]) -> list[str]:
     """IPython input transformer (run before any other): drop the header of :func:`numbered_cell`
     and number the cell as the notebook does, so tracebacks (``Cell In[9]``), ``Out[9]`` and
@@ -53,16 +45,6 @@ def take_cell_number(lines: list[str]) -> list[str]:
     return lines[1:]
 
 
-@dataclass(frozen=True)
-class EngineProbe:
-    """What an engine reports about itself before ranks are assigned."""
-
-    host: str
-    pid: int
-    gpu_count: int
-    free_port: int
-
-
 def probe_engine() -> EngineProbe:
     import torch
 
@@ -75,21 +57,6 @@ def probe_engine() -> EngineProbe:
         gpu_count=torch.cuda.device_count(),
         free_port=free_port,
     )
-
-
-@dataclass(frozen=True)
-class RankSetup:
-    """Everything one engine needs to become one rank."""
-
-    rank: int
-    local_rank: int
-    world_size: int
-    master_addr: str
-    master_port: int
-    backend: str
-    device: str
-    timeout_s: float
-    stack_dump_path: str
 
 
 def open_rendezvous(setup: RankSetup) -> None:

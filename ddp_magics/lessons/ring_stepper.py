@@ -1,63 +1,14 @@
-"""ipywidgets: a live view shown while a magic runs, and the ring all-reduce stepper of lesson 04."""
+"""The ring all-reduce stepper of lesson 04: every step of the algorithm, as an ipywidget."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from html import escape as html_escape
 
-from IPython.display import clear_output, display
-
 from ddp_magics.diagrams import rank_color
-from ddp_magics.trace import format_number
+from ddp_magics.live_view import WIDGET_MIMETYPE
+from ddp_magics.protocol import format_number
 
-WIDGET_MIMETYPE = "application/vnd.jupyter.widget-view+json"
-
-
-class LiveView:
-    """An HTML widget shown while a magic runs, then cleared.
-
-    It is displayed with the widget mimetype alone, so tools that compare outputs
-    (nbval skips that mimetype) see nothing of it; frontends clear it when the
-    magic's final output arrives.
-    """
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-        self._widget = None
-
-    @property
-    def shown(self) -> bool:
-        return self._widget is not None
-
-    def update(self, html: str) -> None:
-        if not self.enabled:
-            return
-        if self._widget is None:
-            import ipywidgets
-
-            self._widget = ipywidgets.HTML(value=html)
-            display(
-                {
-                    WIDGET_MIMETYPE: {
-                        "model_id": self._widget.model_id,
-                        "version_major": 2,
-                        "version_minor": 0,
-                    }
-                },
-                raw=True,
-            )
-        else:
-            self._widget.value = html
-
-    def close(self) -> None:
-        if self._widget is None:
-            return
-        clear_output(wait=True)
-        self._widget.close()
-        self._widget = None
-
-
-# ---------------------------------------------------------------- ring all-reduce stepper
 REDUCE_SCATTER, ALL_GATHER, START = "reduce-scatter", "all-gather", "start"
 RECEIVED_COLORS = {REDUCE_SCATTER: "#e3f2e1", ALL_GATHER: "#e1ecf7"}
 

@@ -5,7 +5,7 @@ few cores take most of a cluster's start-up. The zygote imports it (with ipypara
 and ddp_magics' engine side) once, then forks each engine it is asked for, already imported:
 ``%dist_start`` pays one import, and ``%dist_restart`` none.
 
-    python -m ddp_magics.zygote    # in the environment of lifetime.launch_environment()
+    python -m ddp_magics.engine.zygote    # in the environment of lifetime.launch_environment()
 
 It prints ``ready`` when it listens on ``SOCKET_NAME`` in the cluster's directory. Each
 connection carries one request, a JSON line, and gets the forked PID back: an engine
@@ -54,8 +54,8 @@ ENGINE_MODULES = (
     "ipykernel.ipkernel",
     "ipykernel.debugger",
     "IPython.extensions.storemagic",
-    "ddp_magics.rank",
-    "ddp_magics.trace",
+    "ddp_magics.engine.rank",
+    "ddp_magics.engine.recorder",
 )
 REQUEST_CHUNK = 1 << 16
 MAX_FDS = 2
@@ -176,7 +176,7 @@ def _become_engine(request: dict) -> None:
     os.environ[ZYGOTE_SOCKET_ENV] = str(Path(os.environ[CLUSTER_DIR_ENV]) / SOCKET_NAME)
     if "numpy.random" in sys.modules:  # a fork shares the seed; a new process would not
         sys.modules["numpy.random"].seed()
-    from ddp_magics.engine import run
+    from ddp_magics.engine.process import run
 
     run(request["argv"])
     os._exit(0)

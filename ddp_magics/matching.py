@@ -1,0 +1,406 @@
+"""Matching the ranks' traced calls (the notebook side of tracing).
+
+:class:`Trace` merges the ranks' events. It pairs each send with its recv, lines up each
+group's collectives by their order on every rank, names mismatches in plain words and orders
+everything into steps that :mod:`ddp_magics.diagrams` draws.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from ddp_magics.protocol import (
+    ERROR,
+    OPS,
+    RECVS,
+    RUNNING,
+    SENDS,
+    WAIT,
+    WAITING,
+    TraceEvent,
+    format_values,
+    group_label,
+    plural,
+    rank_label,
+)
+
+COLLECTIVE, TRANSFER, SOLO = "collective", "transfer", "solo"
+
+
+@dataclass
+class Step:
+    """One thing that happened: a collective across a group, a send paired with its recv, or one
+    rank's lone call (a wait, or half of a pair that never met)."""
+
+    kind: str
+    events: dict[int, TraceEvent]  # rank -> its event (for a transfer: sender and receiver)
+    group: tuple[int, ...] = ()
+    index: int = 0  # for a collective: its position among the group's collectives (1, 2, ...)
+    column: int = 0  # the earliest column of its events
+    columns: dict[int, int] = field(default_factory=dict)  # rank -> column of its event (time order)
+    waited: Step | None = None  # for waits: the step whose handles they waited on
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self.events)
+
+    @property
+    def op(self) -> str:
+        if self.kind == TRANSFER:
+            send, recv = self.send, self.recv
+            return f"{send.op}/{recv.op}" if send and recv else (send or recv).op
+        ops = [self.events[rank].op for rank in self.ranks]
+        return "/".join(dict.fromkeys(ops))  # "all_reduce", or "all_reduce/broadcast" if ranks differ
+
+    @property
+    def send(self) -> TraceEvent | None:
+        return next((e for e in self.events.values() if e.op in SENDS), None)
+
+    @property
+    def recv(self) -> TraceEvent | None:
+        return next((e for e in self.events.values() if e.op in RECVS), None)
+
+    @property
+    def missing(self) -> list[int]:
+        return [rank for rank in self.group if rank not in self.events] if self.kind == COLLECTIVE else []
+
+    def flows(self) -> list[tuple[int, int]]:
+        """(from rank, to rank) for each rank-to-rank movement of data in this step."""
+        if self.kind == TRANSFER:
+            return [(self.send.rank, self.recv.rank)] if self.send and self.recv else []
+        if self.kind != COLLECTIVE or len({event.op for event in self.events.values()}) > 1:
+            return []
+        ranks, op = self.ranks, self.op
+        root = self.events[ranks[0]].root
+        if op in ("broadcast", "scatter"):
+            return [(root, rank) for rank in ranks if rank != root] if root in self.events else []
+        if op in ("reduce", "gather"):
+            return [(rank, root) for rank in ranks if rank != root] if root in self.events else []
+        if op == "barrier":
+            return []
+        return [(a, b) for a in ranks for b in ranks if a != b]
+
+    def title(self) -> str:
+        if self.kind == TRANSFER and self.send and self.recv:
+            return f"{self.op} rank {self.send.rank} -> rank {self.recv.rank}"
+        first = self.events[self.ranks[0]]
+        if self.kind == SOLO:
+            if self.waited is None:
+                return first.call()
+            return f"wait for {self.waited.title()}"
+        return _collective_title(self)
+
+    def lines(self) -> list[str]:
+        """Per rank: values before -> after; ranks with the same line share it."""
+        ranks_by_line: dict[str, list[int]] = {}
+        for rank in self.ranks:
+            event = self.events[rank]
+            if event.op == WAIT:
+                line = f"{event.call()}{_status_note(event)}"
+            else:
+                flow = format_values(event.before)
+                if OPS[event.op].outputs:
+                    flow += " -> " + format_values(event.after)
+                line = f"{_role(self, event)}{flow}{_status_note(event)}"
+            ranks_by_line.setdefault(line, []).append(rank)
+        if self.missing:
+            ranks_by_line.setdefault("never called it", []).extend(self.missing)
+        return [f"{rank_label(ranks)}: {line}" for line, ranks in ranks_by_line.items()]
+
+
+def _collective_title(step: Step) -> str:
+    first = step.events[step.ranks[0]]
+    if len({event.op for event in step.events.values()}) > 1:
+        return f"{step.op} on {group_label(step.group)} (ranks called different collectives)"
+    words = [step.op]
+    if first.reduce_op:
+        words.append(first.reduce_op)
+    if first.root is not None and first.op == step.op:
+        words.append(f"{'from' if OPS[first.op].root == 'src' else 'to'} rank {first.root}")
+    return " ".join(words) + f" on {group_label(step.group)}"
+
+
+def _role(step: Step, event: TraceEvent) -> str:
+    if step.kind == TRANSFER:
+        return "sends " if event.op in SENDS else "receives "
+    if step.kind == COLLECTIVE and event.op != step.op:
+        return f"called {event.call()}: "
+    return ""
+
+
+def _status_note(event: TraceEvent) -> str:
+    return {
+        RUNNING: "  (still running)",
+        WAITING: "  (not waited on)",
+        ERROR: f"  (raised {event.error})",
+    }.get(event.status, "")
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    kind: str
+    message: str
+    events: tuple[TraceEvent, ...]  # the calls involved
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(sorted({event.rank for event in self.events}))
+
+    def involves(self, event: TraceEvent) -> bool:
+        return any(e.rank == event.rank and e.seq == event.seq for e in self.events)
+
+
+MISSING_CALL = "collective not called by every rank"
+DIFFERENT_OPS = "different collectives"
+DIFFERENT_SHAPES = "different shapes or dtypes"
+DIFFERENT_ROOTS = "different roots"
+DIFFERENT_REDUCE_OPS = "different reduce ops"
+SEND_WITHOUT_RECV = "send without recv"
+RECV_WITHOUT_SEND = "recv without send"
+SIZE_MISMATCH = "send and recv sizes differ"
+
+
+@dataclass
+class Trace:
+    """The merged trace of one cell: every rank's calls, matched into steps, with mismatches.
+
+    ``complete`` is False when some ranks had not finished the cell (the trace holds what they
+    had recorded so far).
+    """
+
+    events: dict[int, list[TraceEvent]]
+    complete: bool = True
+    steps: list[Step] = field(init=False)
+    mismatches: list[Mismatch] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.events = {rank: list(events) for rank, events in sorted(self.events.items())}
+        self.steps, self.mismatches = match(self.events)
+
+    @property
+    def ranks(self) -> list[int]:
+        return list(self.events)
+
+    def calls(self) -> int:
+        return sum(len(events) for events in self.events.values())
+
+    def in_progress(self, rank: int) -> TraceEvent | None:
+        """The call ``rank`` is in (not returned, or a wait not returned), if any."""
+        running = [event for event in self.events.get(rank, []) if event.status == RUNNING]
+        return running[-1] if running else None
+
+    def text(self, max_steps: int = 30) -> str:
+        lines = [
+            f"Trace of {rank_label(self.ranks)}: {plural(self.calls(), 'call')} in "
+            f"{plural(len(self.steps), 'step')}" + ("" if self.complete else " (cell not finished)")
+        ]
+        for number, step in enumerate(self.steps[:max_steps], 1):
+            lines.append(f"{number:>3}. {step.title()}")
+            lines.extend(f"       {line}" for line in step.lines())
+        if len(self.steps) > max_steps:
+            lines.append(f"     ... {len(self.steps) - max_steps} more steps: {self.summary()}")
+        lines.extend(f"Mismatch: {mismatch.message}" for mismatch in self.mismatches)
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        """``12 x all_reduce, 4 x send/recv`` over all steps."""
+        counts: dict[str, int] = {}
+        for step in self.steps:
+            counts[step.op] = counts.get(step.op, 0) + 1
+        return ", ".join(f"{count} x {op}" for op, count in counts.items())
+
+    def __repr__(self) -> str:
+        return self.text()
+
+    def draw(self, step: int | None = None, timeline: bool | None = None):
+        """A diagram: one step (``step=N``, numbered as in the listing) or the timeline."""
+        from ddp_magics import diagrams  # diagrams draws Traces: imported when one is drawn
+
+        return diagrams.draw_trace(self, step=step, timeline=timeline)
+
+
+def match(events: dict[int, list[TraceEvent]]) -> tuple[list[Step], list[Mismatch]]:
+    """Pair sends with recvs, line up collectives, find mismatches and order the steps."""
+    steps: list[Step] = []
+    mismatches: list[Mismatch] = []
+    _match_collectives(events, steps, mismatches)
+    _match_transfers(events, steps, mismatches)
+    step_of = {(rank, event.seq): step for step in steps for rank, event in step.events.items()}
+    waits: dict[int, Step] = {}  # one wait step per step whose handles were waited on
+    for rank, rank_events in events.items():
+        for event in rank_events:
+            if (rank, event.seq) in step_of:
+                continue
+            waited = step_of.get((rank, event.waits_for)) if event.op == WAIT else None
+            if waited is not None and id(waited) in waits and rank not in waits[id(waited)].events:
+                waits[id(waited)].events[rank] = event
+                continue
+            step = Step(SOLO, {rank: event}, waited=waited)
+            if waited is not None:
+                waits[id(waited)] = step
+            steps.append(step)
+    return _in_time_order(events, steps), mismatches
+
+
+def _match_collectives(events, steps: list[Step], mismatches: list[Mismatch]) -> None:
+    by_group: dict[str, dict[int, list[TraceEvent]]] = {}
+    groups: dict[str, tuple[int, ...]] = {}
+    for rank, rank_events in events.items():
+        for event in rank_events:
+            if event.is_collective:
+                by_group.setdefault(event.group_name, {}).setdefault(rank, []).append(event)
+                groups[event.group_name] = event.group
+    for name, per_rank in by_group.items():
+        group = groups[name]
+        for index in range(max(len(calls) for calls in per_rank.values())):
+            step_events = {rank: calls[index] for rank, calls in per_rank.items() if index < len(calls)}
+            step = Step(COLLECTIVE, step_events, group=group, index=index + 1)
+            steps.append(step)
+            mismatches.extend(_collective_mismatches(step, traced=set(events)))
+
+
+def _collective_mismatches(step: Step, traced: set[int]) -> list[Mismatch]:
+    found = []
+    events = step.events
+    nth = f"collective #{step.index} on {group_label(step.group)}"
+    missing = [rank for rank in step.missing if rank in traced]
+    if missing:
+        called = ", ".join(f"rank {r} called {e.op} at {e.where()}" for r, e in sorted(events.items()))
+        found.append(
+            Mismatch(
+                MISSING_CALL,
+                f"{nth}: {called}; {rank_label(missing)} never called it",
+                tuple(events.values()),
+            )
+        )
+    if len({event.op for event in events.values()}) > 1:
+        called = ", ".join(f"rank {r} called {e.op} at {e.where()}" for r, e in sorted(events.items()))
+        found.append(Mismatch(DIFFERENT_OPS, f"{nth}: {called}", tuple(events.values())))
+        return found  # shapes, roots and reduce ops of different ops are not comparable
+    for kind, describe in (
+        (DIFFERENT_SHAPES, lambda e: e.primary.layout if e.primary else None),
+        (DIFFERENT_ROOTS, lambda e: None if e.root is None else f"root rank {e.root}"),
+        (DIFFERENT_REDUCE_OPS, lambda e: e.reduce_op),
+    ):
+        seen = {rank: describe(event) for rank, event in sorted(events.items())}
+        if len(set(seen.values())) > 1:
+            detail = ", ".join(f"rank {rank} {text}" for rank, text in seen.items())
+            found.append(Mismatch(kind, f"{nth} ({step.op}): {kind}: {detail}", tuple(events.values())))
+    return found
+
+
+def _match_transfers(events, steps: list[Step], mismatches: list[Mismatch]) -> None:
+    sends: dict[tuple, list[TraceEvent]] = {}
+    recvs: dict[tuple, list[TraceEvent]] = {}
+    open_recvs: list[TraceEvent] = []  # from any rank, not received yet
+    for rank_events in events.values():
+        for event in rank_events:
+            if event.op in SENDS:
+                sends.setdefault((event.rank, event.peer, event.tag), []).append(event)
+            elif event.op in RECVS and event.peer is None:
+                open_recvs.append(event)
+            elif event.op in RECVS:
+                recvs.setdefault((event.peer, event.rank, event.tag), []).append(event)
+    for key in sorted(set(sends) | set(recvs)):
+        src, dst, tag = key
+        key_sends, key_recvs = sends.get(key, []), recvs.get(key, [])
+        for send, recv in itertools.zip_longest(key_sends, key_recvs):
+            if send and recv:
+                steps.append(Step(TRANSFER, {send.rank: send, recv.rank: recv}))
+                if send.primary and recv.primary and send.primary != recv.primary:
+                    mismatches.append(
+                        Mismatch(
+                            SIZE_MISMATCH,
+                            f"rank {src} sends {send.primary.layout} at {send.where()}, but rank {dst} "
+                            f"receives into {recv.primary.layout} at {recv.where()}",
+                            (send, recv),
+                        )
+                    )
+            elif send:
+                if dst not in events:
+                    continue  # the receiver was not traced
+                if any(recv.rank == dst for recv in open_recvs):
+                    continue  # an any-source recv on dst may take it
+                tag_note = f" with tag {tag}" if tag else ""
+                mismatches.append(
+                    Mismatch(
+                        SEND_WITHOUT_RECV,
+                        f"rank {src} sends to rank {dst}{tag_note} at {send.where()}, but rank {dst} "
+                        "posts no matching recv",
+                        (send,),
+                    )
+                )
+            elif src in events:
+                tag_note = f" with tag {tag}" if tag else ""
+                mismatches.append(
+                    Mismatch(
+                        RECV_WITHOUT_SEND,
+                        f"rank {dst} receives from rank {src}{tag_note} at {recv.where()}, but rank {src} "
+                        "never sends to it",
+                        (recv,),
+                    )
+                )
+    for recv in open_recvs:
+        if recv.status == RUNNING and not any(dst == recv.rank for (_, dst, _) in sends):
+            mismatches.append(
+                Mismatch(
+                    RECV_WITHOUT_SEND,
+                    f"rank {recv.rank} receives from any rank at {recv.where()}, but no rank sends to it",
+                    (recv,),
+                )
+            )
+
+
+def _in_time_order(events: dict[int, list[TraceEvent]], steps: list[Step]) -> list[Step]:
+    """Give every event a column and order the steps by it.
+
+    An event comes after the rank's previous event; the events of one collective share a column;
+    a recv is no earlier than its send. This is a longest-path layering; if mismatched calls
+    make it cyclic, each event falls back to its position among its rank's calls.
+    """
+    node_of: dict[tuple[int, int], object] = {}
+    step_of: dict[tuple[int, int], Step] = {}
+    for step in steps:
+        for rank, event in step.events.items():
+            node_of[(rank, event.seq)] = id(step) if step.kind == COLLECTIVE else (rank, event.seq)
+            step_of[(rank, event.seq)] = step
+    edges: list[tuple[object, object, int]] = []
+    for rank, rank_events in events.items():
+        for earlier, later in itertools.pairwise(rank_events):
+            edges.append((node_of[(rank, earlier.seq)], node_of[(rank, later.seq)], 1))
+    for step in steps:
+        if step.kind == TRANSFER and step.send and step.recv:
+            send, recv = step.send, step.recv
+            edges.append((node_of[(send.rank, send.seq)], node_of[(recv.rank, recv.seq)], 0))
+    columns = _longest_path(set(node_of.values()), edges)
+    for rank, rank_events in events.items():
+        for position, event in enumerate(rank_events):
+            key = (rank, event.seq)
+            step_of[key].columns[rank] = position if columns is None else columns[node_of[key]]
+    for step in steps:
+        step.column = min(step.columns.values())
+    return sorted(steps, key=lambda step: (step.column, step.ranks[0], step.kind))
+
+
+def _longest_path(nodes: set, edges: list[tuple[object, object, int]]) -> dict | None:
+    """Column of each node: the longest weighted path reaching it; None if the graph has a cycle."""
+    incoming = {node: 0 for node in nodes}
+    outgoing: dict[object, list[tuple[object, int]]] = {node: [] for node in nodes}
+    for source, target, weight in edges:
+        if source != target:
+            outgoing[source].append((target, weight))
+            incoming[target] += 1
+    column = {node: 0 for node in nodes}
+    ready = [node for node, count in incoming.items() if count == 0]
+    placed = 0
+    while ready:
+        node = ready.pop()
+        placed += 1
+        for target, weight in outgoing[node]:
+            column[target] = max(column[target], column[node] + weight)
+            incoming[target] -= 1
+            if incoming[target] == 0:
+                ready.append(target)
+    return column if placed == len(nodes) else None
+

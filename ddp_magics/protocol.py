@@ -1,0 +1,218 @@
+"""What the engine side and the notebook side agree on: plain, picklable data only.
+
+Engine code imports this module and nothing else of the notebook side (tests/test_layout.py
+checks it): the records a traced call leaves (:class:`TraceEvent`), what an engine reports
+about itself (:class:`EngineProbe`) and what makes it a rank (:class:`RankSetup`), and the
+header that numbers a cell.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+from typing import NamedTuple
+
+STACK_DUMP_SIGNAL = signal.SIGUSR1
+# First line of every cell the notebook sends: the notebook's own number for the cell.
+CELL_NUMBER_HEADER = "# ddp_magics: In["
+DEFAULT_VALUES_LIMIT = 16
+
+
+def numbered_cell(code: str, number: int) -> str:
+    """``code`` as sent to the ranks: headed by the number of the notebook cell it comes from."""
+    return f"{CELL_NUMBER_HEADER}{number}]\n{code}"
+
+
+@dataclass(frozen=True)
+class EngineProbe:
+    """What an engine reports about itself before ranks are assigned."""
+
+    host: str
+    pid: int
+    gpu_count: int
+    free_port: int
+
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """Everything one engine needs to become one rank."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    backend: str
+    device: str
+    timeout_s: float
+    stack_dump_path: str
+
+
+
+def format_ranks(ranks: list[int]) -> str:
+    """``[0, 1, 2, 3]`` -> ``0-3``; ``[0, 2]`` -> ``0,2``; runs of three or more become ranges."""
+    ordered = sorted(ranks)
+    parts: list[str] = []
+    start = 0
+    while start < len(ordered):
+        end = start
+        while end + 1 < len(ordered) and ordered[end + 1] == ordered[end] + 1:
+            end += 1
+        if end - start >= 2:
+            parts.append(f"{ordered[start]}-{ordered[end]}")
+        else:
+            parts.extend(str(rank) for rank in ordered[start : end + 1])
+        start = end + 1
+    return ",".join(parts)
+
+
+def rank_label(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)}"
+
+
+# --------------------------------------------------------------------------- what a call records
+@dataclass(frozen=True)
+class OpSpec:
+    """Which arguments of a torch.distributed function hold what."""
+
+    inputs: tuple[str, ...] = ()  # tensors (or tensor lists) whose values go in
+    outputs: tuple[str, ...] = ()  # tensors (or tensor lists) that hold the result
+    primary: str | None = None  # the tensor whose shape must agree across the group
+    root: str | None = None  # src/dst of a rooted collective
+    peer: str | None = None  # dst/src of a point-to-point call
+    has_reduce_op: bool = False
+    p2p: bool = False
+
+    @property
+    def in_place(self) -> bool:
+        """Writes its result into its input (all_reduce, broadcast, recv, ...)."""
+        return self.outputs == self.inputs
+
+
+OPS: dict[str, OpSpec] = {
+    "send": OpSpec(inputs=("tensor",), primary="tensor", peer="dst", p2p=True),
+    "recv": OpSpec(inputs=("tensor",), outputs=("tensor",), primary="tensor", peer="src", p2p=True),
+    "isend": OpSpec(inputs=("tensor",), primary="tensor", peer="dst", p2p=True),
+    "irecv": OpSpec(inputs=("tensor",), outputs=("tensor",), primary="tensor", peer="src", p2p=True),
+    "broadcast": OpSpec(inputs=("tensor",), outputs=("tensor",), primary="tensor", root="src"),
+    "reduce": OpSpec(
+        inputs=("tensor",), outputs=("tensor",), primary="tensor", root="dst", has_reduce_op=True
+    ),
+    "all_reduce": OpSpec(inputs=("tensor",), outputs=("tensor",), primary="tensor", has_reduce_op=True),
+    "gather": OpSpec(inputs=("tensor",), outputs=("gather_list",), primary="tensor", root="dst"),
+    "all_gather": OpSpec(inputs=("tensor",), outputs=("tensor_list",), primary="tensor"),
+    "all_gather_into_tensor": OpSpec(
+        inputs=("input_tensor",), outputs=("output_tensor",), primary="input_tensor"
+    ),
+    # torch 2.13's name for all_gather_into_tensor (which it deprecates and forwards here)
+    "all_gather_single": OpSpec(inputs=("input_tensor",), outputs=("output_tensor",), primary="input_tensor"),
+    "scatter": OpSpec(inputs=("scatter_list",), outputs=("tensor",), primary="tensor", root="src"),
+    "reduce_scatter": OpSpec(
+        inputs=("input_list",), outputs=("output",), primary="output", has_reduce_op=True
+    ),
+    "reduce_scatter_tensor": OpSpec(
+        inputs=("input",), outputs=("output",), primary="output", has_reduce_op=True
+    ),
+    # torch 2.13's name for reduce_scatter_tensor (which it deprecates and forwards here)
+    "reduce_scatter_single": OpSpec(
+        inputs=("input",), outputs=("output",), primary="output", has_reduce_op=True
+    ),
+    "all_to_all": OpSpec(inputs=("input_tensor_list",), outputs=("output_tensor_list",)),
+    "all_to_all_single": OpSpec(inputs=("input",), outputs=("output",)),
+    "barrier": OpSpec(),
+}
+TRACED_OPS = tuple(OPS)
+SENDS, RECVS = ("send", "isend"), ("recv", "irecv")
+WAIT = "wait"
+# Status of an event: running (called, not returned), waiting (async op issued, not waited yet),
+# done, error.
+RUNNING, WAITING, DONE, ERROR = "running", "waiting", "done", "error"
+
+
+class TensorInfo(NamedTuple):
+    shape: tuple[int, ...]
+    dtype: str
+    values: tuple | None = None  # flat values when the tensor is small enough
+
+    def describe(self) -> str:
+        if self.values is not None:
+            return "[" + ", ".join(format_number(value) for value in self.values) + "]"
+        return f"<{'x'.join(map(str, self.shape)) or 'scalar'} {self.dtype}>"
+
+    @property
+    def layout(self) -> str:
+        return f"shape ({', '.join(map(str, self.shape))}{',' if len(self.shape) == 1 else ''}) {self.dtype}"
+
+
+@dataclass
+class TraceEvent:
+    """One call a rank made, as plain data. Ranks are global ranks."""
+
+    rank: int
+    seq: int  # 1, 2, ... in the order the rank made its calls
+    op: str
+    group: tuple[int, ...]
+    group_name: str
+    peer: int | None = None
+    root: int | None = None
+    reduce_op: str | None = None
+    tag: int = 0
+    primary: TensorInfo | None = None  # shape and dtype only
+    before: tuple[TensorInfo, ...] = ()
+    after: tuple[TensorInfo, ...] | None = None
+    async_op: bool = False
+    waits_for: int | None = None  # a wait: the seq of the call whose handle it waited on
+    waited_op: str | None = None  # ... and that call's op
+    line: int | None = None  # line in the cell that made the call
+    start: float = 0.0
+    end: float | None = None
+    status: str = RUNNING
+    error: str | None = None
+
+    @property
+    def is_collective(self) -> bool:
+        return self.op in OPS and not OPS[self.op].p2p
+
+    def call(self) -> str:
+        """``recv from rank 1``, ``all_reduce SUM on ranks 0,1``, ``wait for isend #2``."""
+        if self.op == WAIT:
+            return f"wait for {self.waited_op} (call #{self.waits_for})"
+        if self.op in SENDS:
+            return f"{self.op} to rank {self.peer}"
+        if self.op in RECVS:
+            return f"{self.op} from {'any rank' if self.peer is None else f'rank {self.peer}'}"
+        words = [self.op]
+        if self.reduce_op:
+            words.append(self.reduce_op)
+        if self.root is not None:
+            words.append(f"{'from' if OPS[self.op].root == 'src' else 'to'} rank {self.root}")
+        words.append(f"on {group_label(self.group)}")
+        return " ".join(words)
+
+    def where(self) -> str:
+        return f"line {self.line}" if self.line is not None else "an unknown line"
+
+
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def group_label(group: tuple[int, ...]) -> str:
+    return rank_label(list(group))
+
+
+def format_number(value) -> str:
+    if isinstance(value, float):
+        text = format(value, ".6g")
+        return text if any(mark in text for mark in ".enia") else text + ".0"
+    return str(value)
+
+
+def format_values(infos: tuple[TensorInfo, ...] | None) -> str:
+    if infos is None:
+        return "?"
+    if not infos:
+        return "-"
+    return " ".join(info.describe() for info in infos)
+

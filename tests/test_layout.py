@@ -1,0 +1,67 @@
+"""The package's layout, read from its imports: engine code apart from notebook code, and one
+module that talks to ipyparallel."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import ddp_magics
+
+PACKAGE = Path(ddp_magics.__file__).parent
+# What engine code may import of ddp_magics: itself, the shared records, process lifetime.
+ENGINE_MAY_IMPORT = ("ddp_magics.engine", "ddp_magics.protocol", "ddp_magics.lifetime")
+# Notebook-side modules that may import ipyparallel: the cluster layer.
+CLUSTER_LAYER = {"cluster.py", "launcher.py", "controller.py"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module ``path`` imports, at module level or inside functions."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def ours(names: set[str]) -> set[str]:
+    return {name for name in names if name == "ddp_magics" or name.startswith("ddp_magics.")}
+
+
+def allowed_for_engine(name: str) -> bool:
+    return any(name == allowed or name.startswith(allowed + ".") for allowed in ENGINE_MAY_IMPORT)
+
+
+def test_engine_code_imports_no_notebook_code():
+    engine_files = sorted((PACKAGE / "engine").glob("*.py"))
+    assert len(engine_files) >= 4
+    wrong = {
+        module_name(path): sorted(name for name in ours(imported_modules(path)) if not allowed_for_engine(name))
+        for path in engine_files
+    }
+    assert {module: names for module, names in wrong.items() if names} == {}
+
+
+def test_shared_modules_import_nothing_of_either_side():
+    for shared in ("protocol.py", "lifetime.py"):
+        assert ours(imported_modules(PACKAGE / shared)) == set(), shared
+
+
+def test_the_engine_side_is_not_imported_by_the_notebook_side_except_to_send_its_functions():
+    """The notebook side sends engine functions by reference (cluster.py) and starts engine
+    processes (launcher.py); nothing else of it needs engine code."""
+    importers = {
+        path.name
+        for path in PACKAGE.glob("*.py")
+        if any(name.startswith("ddp_magics.engine") for name in imported_modules(path))
+    }
+    assert importers <= CLUSTER_LAYER
+
