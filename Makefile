@@ -13,8 +13,9 @@ NBVAL_ARGS := -p no:cacheprovider --nbval --nbval-current-env --nbval-cell-timeo
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 
 CHROMIUM := /usr/bin/chromium
+SSHD := /usr/sbin/sshd
 
-.PHONY: install browser lab test notebooks bench clean
+.PHONY: install browser sshd lab test notebooks bench clean
 
 install: $(STAMP)
 
@@ -46,8 +47,26 @@ browser:
 		fi; \
 	fi
 
+# The two-host tests (tests/two_hosts.py) run an sshd in a network namespace that ssh reaches from
+# another, wired with `ip` (iproute2). As root they are installed when missing; otherwise those
+# tests are skipped with a line that names the package.
+sshd:
+	@missing=""; \
+	[ -x $(SSHD) ] || missing=" openssh-server"; \
+	command -v ssh >/dev/null && command -v ssh-keygen >/dev/null || missing="$$missing openssh-client"; \
+	command -v ip >/dev/null || missing="$$missing iproute2"; \
+	if [ -n "$$missing" ]; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			echo "installing Debian's$$missing for the two-host tests"; \
+			export DEBIAN_FRONTEND=noninteractive; \
+			apt-get update -qq && apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+		else \
+			echo "two-host tests skipped: not root with apt-get to install Debian's$$missing"; \
+		fi; \
+	fi
+
 # The notebook step treats "no tests collected" (exit code 5) and a missing notebooks/ as success.
-test: install browser
+test: install browser sshd
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest tests
 	@if [ ! -d notebooks ]; then echo "notebooks/ missing: no lessons to test"; exit 0; fi; \

@@ -1,0 +1,88 @@
+"""The two-host helper itself: separate network stacks joined by a veth, ssh from a to b, and
+nothing left once it exits (tests/two_hosts.py)."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from tests.two_hosts import HOST_A, HOST_B, TwoHosts, skip_reason
+
+pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")
+
+# Listens on HOST_A, prints its port, answers one connection with a line, exits.
+SERVER = f"""
+import socket
+server = socket.create_server(({HOST_A!r}, 0))
+print(server.getsockname()[1], flush=True)
+connection, _ = server.accept()
+connection.sendall(b"hello from a")
+connection.close()
+"""
+CLIENT = f"""
+import socket, sys
+with socket.create_connection(({HOST_A!r}, int(sys.argv[1])), timeout=5) as s:
+    print(s.recv(100).decode())
+"""
+
+
+def netns_names() -> str:
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+
+
+def assert_all_gone(hosts: TwoHosts) -> None:
+    names = netns_names()
+    assert hosts.ns_a not in names and hosts.ns_b not in names
+    assert hosts.sshd is not None and hosts.sshd.returncode is not None
+    assert not psutil.pid_exists(hosts.sshd.pid)
+    assert hosts.tmp is not None and not hosts.tmp.exists()
+
+
+def test_two_network_stacks_joined_by_ssh_and_tcp():
+    with TwoHosts() as hosts:
+        on_b = hosts.ssh_b("ip -o -4 addr show")
+        assert on_b.returncode == 0, on_b.stderr
+        assert HOST_B in on_b.stdout and HOST_A not in on_b.stdout
+        on_a = subprocess.run(hosts.in_a(["ip", "-o", "-4", "addr", "show"]), capture_output=True, text=True)
+        assert HOST_A in on_a.stdout and HOST_B not in on_a.stdout
+
+        python = hosts.ssh_b(f"{sys.executable} -c 'import ddp_magics, socket; print(socket.gethostname())'")
+        assert python.returncode == 0, python.stderr
+        assert python.stdout.strip()
+
+        server = subprocess.Popen(
+            hosts.in_a([sys.executable, "-c", SERVER]), stdout=subprocess.PIPE, text=True
+        )
+        try:
+            port = int(server.stdout.readline())
+            reply = hosts.ssh_b(f"{sys.executable} -c {shlex.quote(CLIENT)} {port}")
+            assert reply.returncode == 0, reply.stderr
+            assert reply.stdout.strip() == "hello from a"
+            assert server.wait(timeout=10) == 0
+        finally:
+            server.kill()
+            server.wait()
+        assert hosts.leftovers() == {hosts.ns_a: [], hosts.ns_b: []}
+    assert hosts.killed_at_exit == []
+    assert_all_gone(hosts)
+
+
+def test_exit_kills_what_a_test_left_in_the_namespaces():
+    with TwoHosts(exit_grace=0) as hosts:
+        sleeper = subprocess.Popen(hosts.in_a(["sleep", "60"]))
+        detached = hosts.ssh_b("setsid sleep 61 </dev/null >/dev/null 2>&1 & echo $!")
+        assert detached.returncode == 0, detached.stderr
+        left = hosts.leftovers()
+        assert [p.pid for p in left[hosts.ns_a]] == [sleeper.pid]
+        assert [p.pid for p in left[hosts.ns_b]] == [int(detached.stdout)]
+    killed = sorted(cmdline for _, cmdline in hosts.killed_at_exit)
+    assert killed == [["sleep", "60"], ["sleep", "61"]]
+    # wait_procs reaped the test's own child (so Popen.wait() finds it gone and reports 0).
+    sleeper.wait(timeout=5)
+    assert not psutil.pid_exists(sleeper.pid)
+    assert not psutil.pid_exists(int(detached.stdout))
+    assert_all_gone(hosts)
