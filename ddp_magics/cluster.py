@@ -22,6 +22,7 @@ from pathlib import Path
 
 import ipyparallel as ipp
 import psutil
+from ipyparallel.error import CompositeError
 from traitlets.config import Config
 
 from ddp_magics import protocol
@@ -36,6 +37,7 @@ from ddp_magics.lifetime import (
     process_alive,
     wait_for_exit,
 )
+from ddp_magics.output import RankOutput
 
 BACKENDS = ("auto", "gloo", "nccl")
 CLUSTERS_ROOT = Path(tempfile.gettempdir()) / f"ddp_magics-{os.getuid()}"
@@ -73,6 +75,52 @@ class RankInfo:
 class RankStatus:
     info: RankInfo
     alive: bool
+
+
+class CellRun:
+    """One cell running on some ranks: what each rank has answered so far."""
+
+    def __init__(self, result: ipp.AsyncResult, client: ipp.Client, ranks: list[int]) -> None:
+        self.ranks = ranks
+        self._result = result
+        # The client's own per-message metadata dicts, updated as replies and output arrive
+        # (AsyncResult.metadata would parse their timestamps at every look).
+        self._answers = dict(zip(ranks, (client.metadata[msg_id] for msg_id in result.msg_ids)))
+
+    def wait(self, timeout: float) -> bool:
+        """Whether every rank has replied within ``timeout`` seconds."""
+        return self._result.wait(timeout)
+
+    def wait_for_output(self, timeout: float) -> None:
+        """Replies can come before the last output of a rank: wait for that output too."""
+        self._result.wait_for_output(timeout=timeout)
+
+    def pending_ranks(self) -> list[int]:
+        return [rank for rank, answer in self._answers.items() if answer["status"] is None]
+
+    def errors(self) -> dict[int, BaseException]:
+        """The exception each failed rank answered with (RemoteError, or EngineError if it died)."""
+        answers = self._answers.items()
+        return {rank: answer["error"] for rank, answer in answers if answer["status"] == "error"}
+
+    def outputs(self) -> list[RankOutput]:
+        """What each rank printed, displayed and returned so far, in rank order."""
+        outputs = []
+        for rank, answer in self._answers.items():
+            result = answer.get("execute_result")
+            outputs.append(
+                RankOutput(
+                    rank=rank,
+                    stdout=answer.get("stdout", ""),
+                    stderr=answer.get("stderr", ""),
+                    result=result["data"] if result else None,
+                    displays=[
+                        {"data": out["data"], "metadata": out.get("metadata", {})}
+                        for out in answer.get("outputs", [])
+                    ],
+                )
+            )
+        return outputs
 
 
 def visible_gpu_count() -> int:
@@ -345,16 +393,22 @@ class RankCluster:
             self._views[key] = self._client[self.engine_ids(ranks)]
         return self._views[key]
 
-    def execute(self, code: str, ranks: list[int], cell_number: int) -> ipp.AsyncResult:
+    def execute(self, code: str, ranks: list[int], cell_number: int) -> CellRun:
         """Start running ``code`` on ``ranks`` as the notebook's cell ``cell_number``; returns at once."""
         numbered = protocol.numbered_cell(code, cell_number)
-        return self._view(ranks).execute(numbered, silent=False, block=False)
+        return CellRun(self._view(ranks).execute(numbered, silent=False, block=False), self._client, ranks)
 
     def push(self, namespace: dict) -> None:
         self._client[self.engine_ids()].push(namespace, block=True)
 
     def pull(self, name: str) -> dict[int, object]:
-        values = self._client[self.engine_ids()].pull(name, block=True)
+        """``{rank: value of name}``; a ClusterError if ``name`` is defined on no rank or only some."""
+        try:
+            values = self._client[self.engine_ids()].pull(name, block=True)
+        except CompositeError as error:
+            if {ename for ename, *_ in error.elist} == {"NameError"}:
+                raise ClusterError(f"{name!r} is not defined on every rank") from None
+            raise
         return dict(enumerate(values))
 
     def interrupt(self, ranks: list[int]) -> None:

@@ -7,20 +7,18 @@ import atexit
 import html
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from ipyparallel.error import CompositeError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 from traitlets import Bool, Enum, Float, Integer, Unicode
 
 from ddp_magics import cluster as cluster_module
-from ddp_magics.cluster import BACKENDS, ClusterError, Progress, RankCluster
+from ddp_magics.cluster import BACKENDS, CellRun, ClusterError, Progress, RankCluster
 from ddp_magics.errors import RESTART_ADVICE, DistributedCellError, failure_from_remote_error, usage_error
 from ddp_magics.live_view import LiveView
 from ddp_magics.matching import Trace
-from ddp_magics.output import RankOutput, StatusTable, live_html, render
+from ddp_magics.output import StatusTable, live_html, render
 from ddp_magics.protocol import format_ranks, rank_label
 from ddp_magics.stacks import BlockedRank
 
@@ -50,30 +48,6 @@ def parse_rank_spec(spec: str, world_size: int) -> list[int]:
             f"this cluster has ranks {format_ranks(list(range(world_size)))}"
         )
     return sorted(ranks)
-
-
-@dataclass
-class CellRun:
-    """One %%distributed cell in flight: which rank each message went to."""
-
-    async_result: object
-    ranks: list[int]
-    cell: str
-    traced: bool = False
-
-    def metadata(self) -> dict[int, dict]:
-        """Per rank: status, error, stdout, stderr, outputs and result received so far."""
-        # AsyncResult.metadata parses every timestamp on each access (about 1 ms a cell, which
-        # is 10 % of a trivial cell); the plain per-message dicts hold all we read.
-        metadata = self.async_result._metadata
-        return dict(zip(self.ranks, metadata))
-
-    def pending_ranks(self) -> list[int]:
-        return [rank for rank, md in self.metadata().items() if md["status"] is None]
-
-    def errors(self) -> dict[int, BaseException]:
-        """The exception each failed rank answered with (RemoteError, or EngineError if it died)."""
-        return {rank: md["error"] for rank, md in self.metadata().items() if md["status"] == "error"}
 
 
 def _traced_call(trace: Trace | None, rank: int) -> str | None:
@@ -279,10 +253,12 @@ class DistributedMagics(Magics):
         traced = args.diagram or args.trace is not None
         if traced:
             cluster.start_trace(ranks, self.trace_values_limit)
-        run = CellRun(cluster.execute(cell, ranks, self._cell_number()), ranks, cell, traced)
+        run = cluster.execute(cell, ranks, self._cell_number())
         ended = self._wait(run, timeout)
         self._finish(
             run,
+            cell,
+            traced,
             timeout if ended == ENDED_TIMEOUT else None,
             ended == ENDED_INTERRUPT,
             diagram=args.diagram,
@@ -310,7 +286,7 @@ class DistributedMagics(Magics):
         failed_since = None
         last_refresh = 0.0
         try:
-            while not run.async_result.wait(POLL_SECONDS):
+            while not run.wait(POLL_SECONDS):
                 now = time.monotonic()
                 if failed_since is None and run.errors():
                     failed_since = now
@@ -326,32 +302,16 @@ class DistributedMagics(Magics):
             pending = run.pending_ranks()
             if pending:
                 self.cluster.interrupt(pending)
-            run.async_result.wait(self.interrupt_grace)
+            run.wait(self.interrupt_grace)
             return ENDED_INTERRUPT
         finally:
             live.close()
 
-    def _collect(self, run: CellRun) -> list[RankOutput]:
-        outputs = []
-        for rank, md in run.metadata().items():
-            result = md.get("execute_result")
-            outputs.append(
-                RankOutput(
-                    rank=rank,
-                    stdout=md.get("stdout", ""),
-                    stderr=md.get("stderr", ""),
-                    result=result["data"] if result else None,
-                    displays=[
-                        {"data": out["data"], "metadata": out.get("metadata", {})}
-                        for out in md.get("outputs", [])
-                    ],
-                )
-            )
-        return outputs
-
     def _finish(
         self,
         run: CellRun,
+        cell: str,
+        traced: bool,
         timed_out_after: float | None,
         interrupted: bool,
         diagram: bool = False,
@@ -359,9 +319,8 @@ class DistributedMagics(Magics):
     ) -> None:
         pending = run.pending_ranks()
         if not pending:
-            # Replies can come before the last output; wait for the output of finished ranks.
-            run.async_result.wait_for_output(timeout=5)
-        for item in render(self._collect(run), self.collapse_identical, self.max_output_lines):
+            run.wait_for_output(timeout=5)
+        for item in render(run.outputs(), self.collapse_identical, self.max_output_lines):
             if isinstance(item, dict):
                 display(item["data"], metadata=item["metadata"], raw=True)
             else:
@@ -370,7 +329,7 @@ class DistributedMagics(Magics):
         clean = not (pending or errors)
         # A rank that died mid-cell answers with an EngineError; report it as dead, not as raising.
         dead = [] if clean else [rank for rank in self.cluster.dead_ranks() if rank in run.ranks]
-        trace = self._trace(run, pending, dead) if run.traced else None
+        trace = self._trace(run, pending, dead) if traced else None
         if trace_name is not None:
             self.shell.user_ns[trace_name] = trace
         if diagram:
@@ -383,7 +342,7 @@ class DistributedMagics(Magics):
         alive_pending = [rank for rank in pending if rank not in dead]
         dumps = self.cluster.dump_stacks(alive_pending) if alive_pending else {}
         blocked = [
-            BlockedRank.from_dump(rank, dumps.get(rank), run.cell, traced_call=_traced_call(trace, rank))
+            BlockedRank.from_dump(rank, dumps.get(rank), cell, traced_call=_traced_call(trace, rank))
             for rank in alive_pending
         ]
         if alive_pending:
@@ -416,7 +375,7 @@ class DistributedMagics(Magics):
         display(trace.draw())
 
     def _live_html(self, run: CellRun, elapsed: float) -> str:
-        return live_html(self._collect(run), set(run.pending_ranks()), elapsed, LIVE_TAIL_LINES)
+        return live_html(run.outputs(), set(run.pending_ranks()), elapsed, LIVE_TAIL_LINES)
 
     # ----------------------------------------------------------------- inspecting
     @line_magic
@@ -450,10 +409,8 @@ class DistributedMagics(Magics):
         cluster = self._ready_cluster()
         try:
             return cluster.pull(names[0])
-        except CompositeError as error:
-            if {ename for ename, *_ in error.elist} == {"NameError"}:
-                raise usage_error(f"%dist_pull: {names[0]!r} is not defined on every rank") from None
-            raise
+        except ClusterError as error:
+            raise usage_error(f"%dist_pull: {error}") from None
 
     # --------------------------------------------------------------------- helpers
     def _cell_number(self) -> int:

@@ -43,10 +43,10 @@ def allowed_for_engine(name: str) -> bool:
 def test_engine_code_imports_no_notebook_code():
     engine_files = sorted((PACKAGE / "engine").glob("*.py"))
     assert len(engine_files) >= 4
-    wrong = {
-        module_name(path): sorted(name for name in ours(imported_modules(path)) if not allowed_for_engine(name))
-        for path in engine_files
-    }
+    wrong = {}
+    for path in engine_files:
+        imports = sorted(ours(imported_modules(path)))
+        wrong[module_name(path)] = [name for name in imports if not allowed_for_engine(name)]
     assert {module: names for module, names in wrong.items() if names} == {}
 
 
@@ -65,3 +65,16 @@ def test_the_engine_side_is_not_imported_by_the_notebook_side_except_to_send_its
     }
     assert importers <= CLUSTER_LAYER
 
+
+
+def test_only_the_cluster_layer_talks_to_ipyparallel():
+    notebook_side = [p for p in PACKAGE.rglob("*.py") if "engine" not in p.relative_to(PACKAGE).parts]
+    talking = {
+        str(path.relative_to(PACKAGE))
+        for path in notebook_side
+        if any(name.split(".")[0] == "ipyparallel" for name in imported_modules(path))
+    }
+    assert talking <= CLUSTER_LAYER
+    for path in notebook_side:
+        if path.name not in CLUSTER_LAYER:
+            assert "._metadata" not in path.read_text(), path.name
