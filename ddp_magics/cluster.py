@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import pickle
 import shutil
 import signal
 import sys
@@ -102,6 +101,14 @@ class CellRun:
         """The exception each failed rank answered with (RemoteError, or EngineError if it died)."""
         answers = self._answers.items()
         return {rank: answer["error"] for rank, answer in answers if answer["status"] == "error"}
+
+    def published(self, rank: int, key: str, wait: float = 0.0):
+        """What ``rank`` last published under ``key`` in this cell (a data message); None if
+        nothing arrived, after waiting up to ``wait`` seconds for it."""
+        deadline = time.monotonic() + wait
+        while (value := self._answers[rank].get("data", {}).get(key)) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return value
 
     def outputs(self) -> list[RankOutput]:
         """What each rank printed, displayed and returned so far, in rank order."""
@@ -269,9 +276,6 @@ class RankCluster:
             _kill_engines(self._client)
             self._cluster.stop_engines_sync()
             _wait_for_exit(old_engines)
-            # What the old engines left (stack dumps, trace FIFOs) is not the new ones'.
-            for directory in (self.stacks_dir, self.trace_dir):
-                shutil.rmtree(directory, ignore_errors=True)
             self.ranks = []
             self._views = {}
             self._launch_engines(progress)
@@ -294,8 +298,6 @@ class RankCluster:
             missing = [rank for rank, has_gpu in enumerate(gpus) if not has_gpu]
             raise ClusterError(f"nccl needs a GPU for every rank; ranks {_format_ranks(missing)} have none")
         master_addr = LOCAL_HOST if len(set(hosts)) == 1 else hosts[0]
-        self.stacks_dir.mkdir(exist_ok=True)
-        self.trace_dir.mkdir(exist_ok=True)
         self.ranks = [
             RankInfo(
                 rank=rank,
@@ -318,7 +320,6 @@ class RankCluster:
                 backend=self.backend,
                 device=info.device,
                 timeout_s=self.pg_timeout,
-                stack_dump_path=str(self.stack_dump_path(info.rank)),
             )
             for info in self.ranks
         ]
@@ -414,48 +415,26 @@ class RankCluster:
     def interrupt(self, ranks: list[int]) -> None:
         self._client.send_signal(signal.SIGINT, targets=self.engine_ids(ranks), block=True)
 
-    # ------------------------------------------------------------------- tracing
-    @property
-    def trace_dir(self) -> Path:
-        return self.workdir / "traces"
-
+    # ------------------------------------------------------------------- inspecting
     def start_trace(self, ranks: list[int], values_limit: int) -> ipp.AsyncResult:
         """Trace the next cell sent to ``ranks``; returns at once (the engines keep the order)."""
-        return self._view(ranks).apply_async(recorder.start_trace, str(self.trace_dir), values_limit)
+        return self._view(ranks).apply_async(recorder.start_trace, values_limit)
 
-    def read_traces(self, ranks: list[int], still_running: list[int]) -> dict[int, list]:
-        """The traced events of ``ranks`` from their snapshot files; ranks ``still_running`` are
-        asked for a snapshot of what they recorded so far (this works while they block in C code).
-
-        Like stack dumps, this reads files in the cluster's directory: engines on this host only.
-        """
-        return _read_snapshots(self.trace_dir, ranks, still_running)
-
-    # ------------------------------------------------------------------- stacks
-    @property
-    def stacks_dir(self) -> Path:
-        return self.workdir / "stacks"
-
-    def stack_dump_path(self, rank: int) -> Path:
-        return self.stacks_dir / f"rank{rank}.txt"
-
-    def dump_stacks(self, ranks: list[int], wait: float = 3.0) -> dict[int, str]:
-        """Python stacks of every thread of ``ranks``, even while they block in C code."""
-        paths = {rank: self.stack_dump_path(rank) for rank in ranks}
-        offsets = {rank: _file_size(path) for rank, path in paths.items()}
+    def inspect(self, run: CellRun, ranks: list[int], wait: float = 3.0) -> dict[int, protocol.Inspection]:
+        """Where ``ranks``, still running ``run``, are: every thread's stack and the calls traced
+        so far, even while blocked in C code (see :mod:`ddp_magics.engine.inspector`). Ranks that
+        do not answer within ``wait`` seconds are left out."""
+        before = {rank: run.published(rank, protocol.INSPECTION_KEY) for rank in ranks}
         self._client.send_signal(protocol.STACK_DUMP_SIGNAL, targets=self.engine_ids(ranks), block=True)
-        dumps: dict[int, str] = {}
+        answers: dict[int, protocol.Inspection] = {}
         deadline = time.monotonic() + wait
-        while len(dumps) < len(ranks) and time.monotonic() < deadline:
-            for rank, path in paths.items():
-                if rank in dumps:
-                    continue
-                text = _read_from(path, offsets[rank])
-                # A dump is complete when the file stops growing after it began.
-                if text and text == _read_after_pause(path, offsets[rank]):
-                    dumps[rank] = text
-            time.sleep(0.02)
-        return dumps
+        while len(answers) < len(ranks) and time.monotonic() < deadline:
+            for rank in ranks:
+                answer = run.published(rank, protocol.INSPECTION_KEY)
+                if answer is not None and answer is not before[rank]:
+                    answers[rank] = answer
+            time.sleep(0.01)
+        return answers
 
 
 # ------------------------------------------------------------------ stray clusters
@@ -535,61 +514,6 @@ def _this_host() -> str:
     import socket
 
     return socket.gethostname()
-
-
-def _file_size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except FileNotFoundError:
-        return 0
-
-
-def _read_from(path: Path, offset: int) -> str:
-    try:
-        with open(path, errors="replace") as file:
-            file.seek(offset)
-            return file.read()
-    except FileNotFoundError:
-        return ""
-
-
-def _read_after_pause(path: Path, offset: int) -> str:
-    time.sleep(0.05)
-    return _read_from(path, offset)
-
-
-def _read_snapshots(
-    directory: Path, ranks: list[int], still_running: list[int], wait: float = 2.0
-) -> dict[int, list[protocol.TraceEvent]]:
-    """The events of ``ranks`` so far, from their snapshot files (works while ranks block).
-
-    Ranks that finished the cell wrote their final snapshot; ``still_running`` ranks are asked
-    for one. A rank that does not answer within ``wait`` seconds gives [].
-    """
-    asked = []
-    for rank in still_running:
-        snapshot = directory / recorder.TRACE_FILE.format(rank=rank)
-        snapshot.unlink(missing_ok=True)
-        try:
-            request = directory / recorder.REQUEST_FILE.format(rank=rank)
-            descriptor = os.open(request, os.O_WRONLY | os.O_NONBLOCK)
-        except OSError:  # no FIFO, or nobody reading it: this rank never traced
-            continue
-        try:
-            os.write(descriptor, b"s")
-        finally:
-            os.close(descriptor)
-        asked.append(snapshot)
-    deadline = time.monotonic() + wait
-    while not all(path.exists() for path in asked) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    snapshots = {}
-    for rank in ranks:
-        try:
-            snapshots[rank] = pickle.loads((directory / recorder.TRACE_FILE.format(rank=rank)).read_bytes())
-        except FileNotFoundError:
-            snapshots[rank] = []
-    return snapshots
 
 
 def _format_ranks(ranks: list[int]) -> str:

@@ -19,12 +19,14 @@ from ddp_magics.errors import RESTART_ADVICE, DistributedCellError, failure_from
 from ddp_magics.live_view import LiveView
 from ddp_magics.matching import Trace
 from ddp_magics.output import StatusTable, live_html, render
-from ddp_magics.protocol import format_ranks, rank_label
+from ddp_magics.protocol import TRACE_KEY, format_ranks, rank_label
 from ddp_magics.stacks import BlockedRank
 
 POLL_SECONDS = 0.1
 LIVE_REFRESH_SECONDS = 0.5
 LIVE_TAIL_LINES = 12
+# A finished rank's trace is sent as its cell ends; its reply can overtake it by milliseconds.
+TRACE_ARRIVAL_SECONDS = 2.0
 ENDED_DONE, ENDED_TIMEOUT, ENDED_AFTER_ERROR, ENDED_INTERRUPT = "done", "timeout", "error", "interrupt"
 
 
@@ -329,7 +331,9 @@ class DistributedMagics(Magics):
         clean = not (pending or errors)
         # A rank that died mid-cell answers with an EngineError; report it as dead, not as raising.
         dead = [] if clean else [rank for rank in self.cluster.dead_ranks() if rank in run.ranks]
-        trace = self._trace(run, pending, dead) if traced else None
+        alive_pending = [rank for rank in pending if rank not in dead]
+        inspections = self.cluster.inspect(run, alive_pending) if alive_pending else {}
+        trace = self._trace(run, pending, dead, inspections) if traced else None
         if trace_name is not None:
             self.shell.user_ns[trace_name] = trace
         if diagram:
@@ -339,10 +343,13 @@ class DistributedMagics(Magics):
         failures = [
             failure_from_remote_error(rank, error) for rank, error in errors.items() if rank not in dead
         ]
-        alive_pending = [rank for rank in pending if rank not in dead]
-        dumps = self.cluster.dump_stacks(alive_pending) if alive_pending else {}
         blocked = [
-            BlockedRank.from_dump(rank, dumps.get(rank), cell, traced_call=_traced_call(trace, rank))
+            BlockedRank.from_dump(
+                rank,
+                inspections[rank].stack if rank in inspections else None,
+                cell,
+                traced_call=_traced_call(trace, rank),
+            )
             for rank in alive_pending
         ]
         if alive_pending:
@@ -359,10 +366,17 @@ class DistributedMagics(Magics):
             mismatches=[mismatch.message for mismatch in trace.mismatches] if trace else [],
         )
 
-    def _trace(self, run: CellRun, pending: list[int], dead: list[int]) -> Trace:
-        """The cell's trace; ranks still running report what they recorded so far."""
-        alive_pending = [rank for rank in pending if rank not in dead]
-        events = self.cluster.read_traces(run.ranks, still_running=alive_pending)
+    def _trace(self, run: CellRun, pending: list[int], dead: list[int], inspections: dict) -> Trace:
+        """The cell's trace: what finished ranks published as the cell ended, and what ranks
+        still running had recorded when inspected."""
+        events = {}
+        for rank in run.ranks:
+            if rank in inspections:
+                events[rank] = inspections[rank].events or []
+            elif rank in pending or rank in dead:
+                events[rank] = []
+            else:
+                events[rank] = run.published(rank, TRACE_KEY, wait=TRACE_ARRIVAL_SECONDS) or []
         return Trace(events, complete=not (pending or dead))
 
     def _show_diagram(self, trace: Trace) -> None:

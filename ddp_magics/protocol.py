@@ -16,6 +16,9 @@ STACK_DUMP_SIGNAL = signal.SIGUSR1
 # First line of every cell the notebook sends: the notebook's own number for the cell.
 CELL_NUMBER_HEADER = "# ddp_magics: In["
 DEFAULT_VALUES_LIMIT = 16
+# Keys of the data messages (ipyparallel's datapub) engines publish for the running cell.
+INSPECTION_KEY = "ddp_magics.inspection"  # an Inspection, answering STACK_DUMP_SIGNAL
+TRACE_KEY = "ddp_magics.trace"  # the traced calls of a cell, published as it ends
 
 
 def numbered_cell(code: str, number: int) -> str:
@@ -46,7 +49,6 @@ class RankSetup:
     backend: str
     device: str
     timeout_s: float
-    stack_dump_path: str
 
 
 
@@ -216,3 +218,11 @@ def format_values(infos: tuple[TensorInfo, ...] | None) -> str:
         return "-"
     return " ".join(info.describe() for info in infos)
 
+
+@dataclass(frozen=True)
+class Inspection:
+    """A rank's answer to ``STACK_DUMP_SIGNAL``: where it is, while it runs a cell."""
+
+    number: int  # 1, 2, ... per engine: tells a new answer from one the notebook already had
+    stack: str  # faulthandler's dump of every thread
+    events: list[TraceEvent] | None  # the calls traced so far in this cell (None: not traced)

@@ -6,17 +6,15 @@ reference (``ddp_magics.engine.rank.setup_rank``), so this module must import ch
 
 from __future__ import annotations
 
-import faulthandler
 import os
 import socket
 import threading
 
-from ddp_magics.protocol import CELL_NUMBER_HEADER, STACK_DUMP_SIGNAL, EngineProbe, RankSetup
+from ddp_magics.engine.inspector import start_inspector
+from ddp_magics.protocol import CELL_NUMBER_HEADER, EngineProbe, RankSetup
 
 INLINE_BACKEND = "module://matplotlib_inline.backend_inline"
 
-# Kept alive for faulthandler, which writes to the file descriptor of this object.
-_stack_dump_file = None
 # Rank 0's rendezvous store between open_rendezvous() and setup_rank().
 _rendezvous_server = None
 
@@ -100,7 +98,6 @@ def setup_rank(setup: RankSetup) -> str:
 
     Returns the rank's device as a string.
     """
-    global _stack_dump_file
     from datetime import timedelta
 
     import torch
@@ -117,9 +114,7 @@ def setup_rank(setup: RankSetup) -> str:
     # Figures made on a rank are sent back as images, like in a notebook kernel.
     os.environ.setdefault("MPLBACKEND", INLINE_BACKEND)
 
-    # Append mode: the notebook reads each dump from the offset it saw before signalling.
-    _stack_dump_file = open(setup.stack_dump_path, "a")  # noqa: SIM115 (lives as long as the engine)
-    faulthandler.register(STACK_DUMP_SIGNAL, file=_stack_dump_file, all_threads=True)
+    start_inspector()
 
     device = torch.device(setup.device)
     if device.type == "cuda":

@@ -2,11 +2,10 @@
 
 ``start_trace`` wraps the communication functions of ``torch.distributed`` for the next cell
 and unwraps them when that cell ends (IPython's ``post_execute``). Every call becomes a
-:class:`~ddp_magics.protocol.TraceEvent` (plain, picklable data) kept in memory and written to
-``rankN.trace`` in the cluster's directory when the cell ends. The events of a cell that blocks
-in C code can still be read: the notebook writes a byte to the FIFO ``rankN.request`` and a
-thread of the engine, asleep on it otherwise, writes ``rankN.trace``. When tracing is off
-nothing is wrapped.
+:class:`~ddp_magics.protocol.TraceEvent` (plain, picklable data) kept in memory and published
+to the notebook (a data message of the cell, ``TRACE_KEY``) when the cell ends. The events of a
+cell that blocks in C code reach the notebook with the rank's stack, through
+:mod:`ddp_magics.engine.inspector`. When tracing is off nothing is wrapped.
 """
 
 from __future__ import annotations
@@ -15,14 +14,10 @@ import contextlib
 import functools
 import inspect
 import itertools
-import os
-import pickle
 import sys
-import threading
 import time
 import weakref
 from dataclasses import replace
-from pathlib import Path
 
 from ddp_magics.protocol import (
     DEFAULT_VALUES_LIMIT,
@@ -30,6 +25,7 @@ from ddp_magics.protocol import (
     ERROR,
     OPS,
     RUNNING,
+    TRACE_KEY,
     TRACED_OPS,
     WAIT,
     WAITING,
@@ -38,14 +34,11 @@ from ddp_magics.protocol import (
     TraceEvent,
 )
 
-TRACE_FILE = "rank{rank}.trace"
-REQUEST_FILE = "rank{rank}.request"  # a FIFO: a byte written to it asks for a snapshot
-
 
 class Tracer:
     """Wraps torch.distributed's communication functions and records each call."""
 
-    def __init__(self, directory: str, values_limit: int) -> None:
+    def __init__(self, values_limit: int) -> None:
         import torch
         import torch.distributed as dist
 
@@ -60,7 +53,6 @@ class Tracer:
         self._groups: dict[int, tuple[object, tuple[int, ...] | None, str | None]] = {}
         self._nested = False
         self._known: dict[int, tuple] = {}  # id -> (weak reference, TensorInfo without values, small)
-        self.snapshot_path = Path(directory) / TRACE_FILE.format(rank=self.rank)
 
     # ---------------------------------------------------------------- install / remove
     def install(self) -> None:
@@ -69,7 +61,6 @@ class Tracer:
             self._originals[name] = original
             setattr(self._dist, name, self._wrap(name, original))
         self.active = True
-        self.snapshot_path.unlink(missing_ok=True)
 
     def remove(self) -> None:
         for name, original in self._originals.items():
@@ -80,13 +71,6 @@ class Tracer:
         # (destroying and re-forming the default group on the same port relies on it).
         self._groups.clear()
         self._known.clear()
-        self.write_snapshot()  # the final state, for the ranks of a cell that others did not finish
-
-    def write_snapshot(self) -> None:
-        # The snapshot thread and the main thread (at the cell's end) may both write one.
-        partial = self.snapshot_path.with_name(f"{self.snapshot_path.name}.{threading.get_ident()}.partial")
-        partial.write_bytes(pickle.dumps(list(self.events), protocol=pickle.HIGHEST_PROTOCOL))
-        os.replace(partial, self.snapshot_path)
 
     # ---------------------------------------------------------------- recording
     def _wrap(self, name: str, original):
@@ -316,40 +300,16 @@ def cell_line(depth: int) -> int | None:
 _tracer: Tracer | None = None
 
 
-def start_trace(directory: str, values_limit: int = DEFAULT_VALUES_LIMIT) -> None:
+def start_trace(values_limit: int = DEFAULT_VALUES_LIMIT) -> None:
     """Trace the calls of the next cell this engine executes (sent just before that cell)."""
     global _tracer
     from IPython import get_ipython
 
     if _tracer is not None and _tracer.active:
         _stop_trace()
-    _tracer = Tracer(directory, values_limit)
-    _start_snapshot_server(Path(directory), _tracer.rank)
+    _tracer = Tracer(values_limit)
     _tracer.install()
     get_ipython().events.register("post_execute", _stop_trace)
-
-
-_snapshot_server: threading.Thread | None = None
-
-
-def _start_snapshot_server(directory: Path, rank: int) -> None:
-    """Once per engine: a thread that writes a snapshot of the current trace whenever a byte
-    arrives on the rank's request FIFO. It sleeps in ``read`` (no polling, the GIL released),
-    and runs while the main thread is blocked in C code."""
-    global _snapshot_server
-    if _snapshot_server is not None:
-        return
-    fifo = directory / REQUEST_FILE.format(rank=rank)
-    os.mkfifo(fifo, 0o600)
-    descriptor = os.open(fifo, os.O_RDWR)  # read-write: opening does not wait for a writer
-
-    def serve() -> None:
-        while os.read(descriptor, 64):
-            if _tracer is not None:
-                _tracer.write_snapshot()
-
-    _snapshot_server = threading.Thread(target=serve, name="ddp_magics trace snapshots", daemon=True)
-    _snapshot_server.start()
 
 
 def _stop_trace() -> None:
@@ -360,4 +320,12 @@ def _stop_trace() -> None:
         events.unregister("post_execute", _stop_trace)
     if _tracer is not None and _tracer.active:
         _tracer.remove()
+        # Still inside the cell: the message belongs to it, and arrives before its end.
+        get_ipython().data_pub.publish_data({TRACE_KEY: list(_tracer.events)})
+
+
+def events_so_far() -> list[TraceEvent] | None:
+    """The calls the running cell made so far, if it is traced (read from another thread)."""
+    tracer = _tracer
+    return list(tracer.events) if tracer is not None and tracer.active else None
 
