@@ -10,12 +10,16 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shlex
 import shutil
 import signal
+import socket
+import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,8 +31,10 @@ from traitlets.config import Config
 from ddp_magics import protocol
 from ddp_magics.engine import rank as rank_code
 from ddp_magics.engine import recorder
-from ddp_magics.launcher import Zygote, ZygoteEngineSetLauncher, ZygoteError
+from ddp_magics.launcher import StoppedFirstSSHEngineSetLauncher, Zygote, ZygoteEngineSetLauncher, ZygoteError
 from ddp_magics.lifetime import (
+    LIFELINE_ENV,
+    Lifeline,
     Owner,
     cluster_processes,
     kill_now,
@@ -39,6 +45,10 @@ from ddp_magics.lifetime import (
 from ddp_magics.output import RankOutput
 
 BACKENDS = ("auto", "gloo", "nccl")
+# ipyparallel's names for its engine launchers that ddp_magics knows how to set up.
+LAUNCHERS = ("local", "ssh", "mpi", "slurm")
+# How long checking that a host answers over ssh may take.
+SSH_CHECK_SECONDS = 15
 CLUSTERS_ROOT = Path(tempfile.gettempdir()) / f"ddp_magics-{os.getuid()}"
 OWNER_FILE = "owner"  # the kernel that started the cluster (lifetime.Owner)
 # A cluster directory without its owner file is being made, or being removed, for this long at most.
@@ -68,6 +78,27 @@ class RankInfo:
     pid: int
     local_rank: int
     device: str
+    address: str = LOCAL_HOST  # of its host, as the controller's host reaches it
+    group_rank: int = 0  # its host's place among the hosts
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    """One entry of a host list: ``[user@]name[:port]`` (ipyparallel's SSH form) and its ranks."""
+
+    location: str
+    ranks: int
+
+    @property
+    def name(self) -> str:
+        return self.location.rpartition("@")[2].partition(":")[0]
+
+    @property
+    def ssh_target(self) -> list[str]:
+        """``ssh`` arguments that reach it."""
+        user, _, host = self.location.rpartition("@")
+        name, _, port = host.partition(":")
+        return [*(["-p", port] if port else []), f"{user}@{name}" if user else name]
 
 
 @dataclass(frozen=True)
@@ -157,11 +188,25 @@ class RankCluster:
         heartbeat_ms: int = 100,
         engine_timeout: float = 60.0,
         engine_launcher: str = "local",
+        hosts: list[HostSpec] | None = None,
+        controller_ip: str | None = None,
+        ssh_command: Iterable[str] = ("ssh",),
+        remote_python: str = sys.executable,
+        mpi_command: Iterable[str] = (),
     ) -> None:
         if n < 1:
             raise ValueError(f"a cluster needs at least one rank, not {n}")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
+        if engine_launcher not in LAUNCHERS:
+            raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)}, not {engine_launcher!r}")
+        self.hosts = list(hosts or [])
+        self.controller_ip = controller_ip
+        self.ssh_command = list(ssh_command)
+        self.remote_python = remote_python
+        self.mpi_command = list(mpi_command) or [_mpiexec()]
+        self._lifeline: Lifeline | None = None
+        self._controller_address = LOCAL_HOST
         self.n = n
         self.requested_backend = backend
         self.backend: str | None = None
@@ -195,30 +240,37 @@ class RankCluster:
             raise
 
     def _start_engines(self, progress: Progress) -> None:
+        self._controller_address = self._choose_controller_address()
+        gpus_per_host = self._check_hosts(progress) if self.engine_launcher == "ssh" else {}
+        if self.requested_backend == "nccl":
+            for host in self.hosts:
+                if gpus_per_host.get(host.location, host.ranks) < host.ranks:
+                    raise ClusterError(
+                        f"nccl needs a GPU per rank: {host.location} runs {host.ranks} ranks "
+                        f"and has {gpus_per_host[host.location]} GPUs"
+                    )
         profile_dir = self.workdir / "profile"
         (profile_dir / "security").mkdir(parents=True)
         environment = {"IPYTHONDIR": str(self.workdir / "ipython"), **launch_environment(self.workdir)}
-        config = Config()
-        config.EngineLauncher.engine_cmd = [sys.executable, "-m", "ddp_magics.engine"]
-        # Nobody reads an engine's history; without it, cells can take the notebook's numbers.
-        config.EngineLauncher.engine_args = ["--HistoryManager.enabled=False"]
-        config.ControllerLauncher.controller_cmd = [sys.executable, "-m", "ddp_magics.controller"]
-        config.BaseLauncher.environment = environment
-        config.LocalEngineSetLauncher.delay = 0  # ranks follow engine ids, whatever their order
         forked = self.engine_launcher == "local"
+        if not forked:  # engines on other hosts cannot watch the kernel's PID: a lifeline instead
+            self._lifeline = Lifeline(self._controller_address)
+            environment[LIFELINE_ENV] = self._lifeline.address
+        config = self._launcher_config(environment)
         if forked:  # its import of torch runs while the controller starts
             self._zygote = Zygote(self.workdir, environment)
         self._cluster = ipp.Cluster(
             n=self.n,
             profile_dir=str(profile_dir),
-            controller_ip=LOCAL_HOST,
+            controller_ip=self._controller_address,
             controller_args=[
                 f"--HeartMonitor.period={self.heartbeat_ms}",
                 f"--HeartMonitor.max_heartmonitor_misses={self._heartbeat_misses}",
             ],
-            engines=ZygoteEngineSetLauncher if forked else self.engine_launcher,
+            engines=self._engine_set_launcher(),
             delay=0,
-            send_engines_connection_env=False,
+            # Engines on other hosts get the connection in their environment, not as a copied file.
+            send_engines_connection_env=not forked,
             load_profile=False,
             log=CLUSTER_LOG,
             config=config,
@@ -232,8 +284,88 @@ class RankCluster:
                 raise ClusterError(str(error)) from None
         self._launch_engines(progress)
 
+    def _engine_set_launcher(self):
+        """ipyparallel's engine set launcher: a class, or ipyparallel's name for one."""
+        return {"local": ZygoteEngineSetLauncher, "ssh": StoppedFirstSSHEngineSetLauncher}.get(
+            self.engine_launcher, self.engine_launcher
+        )
+
+    def _launcher_config(self, environment: dict[str, str]) -> Config:
+        config = Config()
+        python = sys.executable if self.engine_launcher == "local" else self.remote_python
+        config.EngineLauncher.engine_cmd = [python, "-m", "ddp_magics.engine"]
+        # Nobody reads an engine's history; without it, cells can take the notebook's numbers.
+        config.EngineLauncher.engine_args = ["--HistoryManager.enabled=False"]
+        config.ControllerLauncher.controller_cmd = [sys.executable, "-m", "ddp_magics.controller"]
+        config.BaseLauncher.environment = environment
+        config.LocalEngineSetLauncher.delay = 0  # ranks follow engine ids, whatever their order
+        if self.engine_launcher == "ssh":
+            config.SSHEngineSetLauncher.engines = {host.location: host.ranks for host in self.hosts}
+            config.SSHLauncher.ssh_cmd = self.ssh_command
+            config.SSHLauncher.remote_python = self.remote_python
+            config.SSHEngineLauncher.to_send = []
+        elif self.engine_launcher == "mpi":
+            config.MPILauncher.mpi_cmd = self.mpi_command
+            if self.hosts:  # MPICH's (hydra's) form
+                hosts = ",".join(f"{host.name}:{host.ranks}" for host in self.hosts)
+                config.MPILauncher.mpi_args = ["-hosts", hosts]
+        return config
+
+    def _choose_controller_address(self) -> str:
+        """Where the controller listens: where asked, else 127.0.0.1 while every engine is on this
+        host, else the one address of this host that the hosts are reached from."""
+        if self.controller_ip:
+            return self.controller_ip
+        if self.engine_launcher == "slurm":
+            raise ClusterError("--engines slurm needs --ip: an address of this host that the nodes reach")
+        remote = {}
+        for host in self.hosts:
+            address = _ipv4_address(host.name)
+            if not address.startswith("127."):
+                remote[host.location] = rank_code.address_towards(address)
+        sources = sorted(set(remote.values()))
+        if not sources:
+            return LOCAL_HOST
+        if len(sources) > 1:
+            raise ClusterError(
+                f"the hosts are reached from different addresses of this host ({', '.join(sources)}); "
+                "name the one the controller listens on with --ip"
+            )
+        return sources[0]
+
+    def _check_hosts(self, progress: Progress) -> dict[str, int]:
+        """Reach every host over ssh before starting anything; returns each one's GPU count."""
+        progress(f"reaching {len(self.hosts)} hosts over ssh")
+        with ThreadPoolExecutor(len(self.hosts)) as pool:
+            return dict(zip([h.location for h in self.hosts], pool.map(self._host_gpus, self.hosts)))
+
+    def _host_gpus(self, host: HostSpec) -> int:
+        command = [
+            *self.ssh_command,
+            "-o", "BatchMode=yes",
+            "-o", f"ConnectTimeout={SSH_CHECK_SECONDS}",
+            *host.ssh_target,
+            f"test -x {shlex.quote(self.remote_python)} || echo 'no {self.remote_python}' >&2; "
+            "ls -d /dev/nvidia[0-9]* 2>/dev/null | wc -l",
+        ]  # fmt: skip
+        try:
+            answer = subprocess.run(
+                command,
+                capture_output=True,
+                text=True,
+                timeout=SSH_CHECK_SECONDS + 5,
+                stdin=subprocess.DEVNULL,
+            )
+        except subprocess.TimeoutExpired:
+            raise ClusterError(f"{host.location} did not answer ssh within {SSH_CHECK_SECONDS} s") from None
+        problem = answer.stderr.strip().splitlines()
+        if answer.returncode != 0 or problem:
+            reason = problem[-1] if problem else f"ssh exited with {answer.returncode}"
+            raise ClusterError(f"cannot start engines on {host.location}: {reason}")
+        return int(answer.stdout.strip() or 0)
+
     def _launch_engines(self, progress: Progress) -> None:
-        progress(f"starting {self.n} engines")
+        progress(f"starting {self.n} engines" + (f" on {len(self.hosts)} hosts" if self.hosts else ""))
         self._cluster.start_engines_sync(self.n)
         if self._client is None:
             self._client = self._cluster.connect_client_sync()
@@ -261,16 +393,20 @@ class RankCluster:
 
     @property
     def restartable_in_place(self) -> bool:
-        """Whether :meth:`restart` can replace the engines alone (local engines, zygote alive)."""
-        return self.running and self._zygote is not None and self._zygote.alive()
+        """Whether :meth:`restart` can replace the engines alone (for local engines: while their
+        zygote lives)."""
+        return self.running and (self._zygote is None or self._zygote.alive())
 
     def restart(self, progress: Progress | None = None) -> None:
-        """Kill the engines (a rank stuck in gloo included) and fork new ones that form a new
-        process group; the controller and the zygote stay, so no process imports torch again."""
+        """Kill the engines (a rank stuck in gloo included) and start new ones that form a new
+        process group; the controller stays (and the zygote, so no local engine imports torch
+        again)."""
         progress = progress or (lambda message: None)
         if not self.restartable_in_place:
             raise ClusterError("this cluster cannot restart its engines in place")
-        old_engines = psutil.Process(self._zygote.process.pid).children(recursive=True)
+        # Local engines are waited for by PID; others are gone once the controller has seen them go.
+        zygote = psutil.Process(self._zygote.process.pid) if self._zygote else None
+        old_engines = zygote.children(recursive=True) if zygote else []
         progress(f"stopping the {self.n} engines")
         try:
             _kill_engines(self._client)
@@ -288,16 +424,20 @@ class RankCluster:
         engine_ids = sorted(self._client.ids)[: self.n]
         progress("importing torch on the engines")
         probes = self._within_timeout(
-            self._client[engine_ids].apply_async(rank_code.probe_engine), "importing torch"
+            self._client[engine_ids].apply_async(rank_code.probe_engine, self._controller_address),
+            "importing torch",
         )
-        hosts = [probe.host for probe in probes]
+        engine_ids, probes = self._host_by_host(engine_ids, probes)
+        hosts = [probe.address for probe in probes]
+        host_order = list(dict.fromkeys(hosts))
         local_ranks = [hosts[:index].count(host) for index, host in enumerate(hosts)]
         gpus = [int(probe.gpu_count > local) for probe, local in zip(probes, local_ranks)]
         self.backend = resolve_backend(self.requested_backend, gpus)
         if self.backend == "nccl" and not all(gpus):
             missing = [rank for rank, has_gpu in enumerate(gpus) if not has_gpu]
             raise ClusterError(f"nccl needs a GPU for every rank; ranks {_format_ranks(missing)} have none")
-        master_addr = LOCAL_HOST if len(set(hosts)) == 1 else hosts[0]
+        master_addr = hosts[0]  # 127.0.0.1 on one host; else rank 0's host as the others reach it
+        several_hosts = len(host_order) > 1
         self.ranks = [
             RankInfo(
                 rank=rank,
@@ -306,6 +446,8 @@ class RankCluster:
                 pid=probe.pid,
                 local_rank=local_rank,
                 device=f"cuda:{local_rank}" if self.backend == "nccl" else "cpu",
+                address=probe.address,
+                group_rank=host_order.index(probe.address),
             )
             for rank, (engine_id, probe, local_rank) in enumerate(zip(engine_ids, probes, local_ranks))
         ]
@@ -320,6 +462,10 @@ class RankCluster:
                 backend=self.backend,
                 device=info.device,
                 timeout_s=self.pg_timeout,
+                group_rank=info.group_rank,
+                group_world_size=len(host_order),
+                local_world_size=hosts.count(info.address),
+                address=info.address if several_hosts else None,
             )
             for info in self.ranks
         ]
@@ -332,6 +478,24 @@ class RankCluster:
         ]
         for info, result in zip(self.ranks, pending):
             self._within_timeout(result, f"rank {info.rank} joining the process group")
+
+    def _host_by_host(self, engine_ids: list[int], probes: list) -> tuple[list[int], list]:
+        """Engines ordered host by host (in the order of the host list), by engine id within a host."""
+        listed = [_ipv4_address(host.name) for host in self.hosts]
+        addresses = [probe.address for probe in probes]
+        first_seen = list(dict.fromkeys(addresses))
+
+        def host_place(address: str) -> tuple[int, int]:
+            if address in listed:
+                return (listed.index(address), 0)
+            return (len(listed), first_seen.index(address))
+
+        order = sorted(range(len(probes)), key=lambda i: (host_place(addresses[i]), engine_ids[i]))
+        return [engine_ids[i] for i in order], [probes[i] for i in order]
+
+    @property
+    def several_hosts(self) -> bool:
+        return len({info.address for info in self.ranks}) > 1
 
     def _within_timeout(self, result: ipp.AsyncResult, doing: str):
         """The result, or a ClusterError if the engines take longer than ``engine_timeout``."""
@@ -353,6 +517,11 @@ class RankCluster:
                 zygote.stop()
             _wait_for_exit(processes)
         finally:
+            if self._lifeline is not None:
+                self._lifeline.close()
+                self._lifeline = None
+            if cluster is not None and self.engine_launcher == "ssh":
+                self._remove_remote_files()
             if client is not None:
                 client.close()
             if self.workdir is not None:
@@ -360,6 +529,26 @@ class RankCluster:
                 self.workdir = None
             self.ranks = []
             self._views = {}
+
+    def _remove_remote_files(self) -> None:
+        """The engines' logs and profile (ipyparallel's SSH launcher makes the cluster's directory on
+        every host): removed on each host, with one ssh call per host at once."""
+        command = f"rm -rf -- {shlex.quote(str(self.workdir))}"
+
+        def remove(host: HostSpec) -> None:
+            try:
+                subprocess.run(
+                    [*self.ssh_command, "-o", "BatchMode=yes", *host.ssh_target, command],
+                    capture_output=True,
+                    timeout=SSH_CHECK_SECONDS,
+                    stdin=subprocess.DEVNULL,
+                    check=True,
+                )
+            except (subprocess.SubprocessError, OSError) as error:
+                CLUSTER_LOG.error("could not remove %s on %s: %s", self.workdir, host.location, error)
+
+        with ThreadPoolExecutor(len(self.hosts)) as pool:
+            list(pool.map(remove, self.hosts))
 
     def processes(self) -> list[psutil.Process]:
         """Controller, engines and their helper processes (nannies, schedulers) now running."""
@@ -510,9 +699,21 @@ def _wait_for_exit(
     wait_for_exit(processes, timeout=timeout)
 
 
-def _this_host() -> str:
-    import socket
+def _ipv4_address(host: str) -> str:
+    """``host``'s IPv4 address (the name resolved here); ClusterError if it has none."""
+    try:
+        return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+    except socket.gaierror as error:
+        raise ClusterError(f"unknown host {host!r}: {error.strerror}") from None
 
+
+def _mpiexec() -> str:
+    """The mpiexec next to this python (the ``mpi`` extra's MPICH), else the one on PATH."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    return str(beside) if beside.exists() else "mpiexec"
+
+
+def _this_host() -> str:
     return socket.gethostname()
 
 

@@ -1,9 +1,13 @@
-"""Local engines forked by the cluster's zygote (:mod:`ddp_magics.engine.zygote`): the notebook side.
+"""ipyparallel engine launchers adapted to ddp_magics: the notebook side.
 
-Part of the cluster layer: only :mod:`ddp_magics.cluster` uses it. :class:`Zygote` starts and
-stops the zygote process; :class:`ZygoteEngineSetLauncher` is an ipyparallel engine launcher
-(``ipyparallel.Cluster(engines=ZygoteEngineSetLauncher)``), so ipyparallel still owns the
-controller, engine ids, signals and stop, and only how an engine process comes to be differs.
+Part of the cluster layer: only :mod:`ddp_magics.cluster` uses it.
+
+- Local engines forked by the cluster's zygote (:mod:`ddp_magics.engine.zygote`): :class:`Zygote`
+  starts and stops the zygote process; :class:`ZygoteEngineSetLauncher` is an ipyparallel engine
+  launcher (``ipyparallel.Cluster(engines=ZygoteEngineSetLauncher)``), so ipyparallel still owns
+  the controller, engine ids, signals and stop, and only how an engine process comes to be differs.
+- Engines on other hosts over ssh: :class:`StoppedFirstSSHEngineSetLauncher`, ipyparallel's SSH
+  launcher with a stop that fits engines already killed through their nannies.
 """
 
 from __future__ import annotations
@@ -16,7 +20,13 @@ import sys
 from pathlib import Path
 
 import psutil
-from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher, ProcessStateError
+from ipyparallel.cluster.launcher import (
+    LocalEngineLauncher,
+    LocalEngineSetLauncher,
+    ProcessStateError,
+    SSHEngineLauncher,
+    SSHEngineSetLauncher,
+)
 
 from ddp_magics.engine.zygote import READY, SOCKET_NAME, fork_engine
 from ddp_magics.lifetime import CLUSTER_DIR_ENV
@@ -98,3 +108,26 @@ class ZygoteEngineSetLauncher(LocalEngineSetLauncher):
 
     launcher_class = ZygoteEngineLauncher
 
+
+
+class StoppedFirstSSHEngineLauncher(SSHEngineLauncher):
+    """ipyparallel's SSH engine launcher for engines that ddp_magics stops first (SIGKILL through
+    their nannies, see ``cluster.stop``). Stopping one then takes one ssh call that finds it gone,
+    instead of a TERM to a PID that no longer exists (whose remote traceback would reach the
+    notebook's log), a wait and a copy of its log back over scp."""
+
+    async def stop(self) -> None:
+        try:
+            await self.join(timeout=0)
+        except TimeoutError:  # still running after all: ipyparallel's TERM, wait, KILL
+            await super().stop()
+
+    def get_output(self, remove: bool = False) -> str:
+        """The engine's log stays on its host, in the cluster's directory, which stop removes."""
+        return ""
+
+
+class StoppedFirstSSHEngineSetLauncher(SSHEngineSetLauncher):
+    """ipyparallel's SSH engine set (``engines = {host: n}``), each engine stopped as above."""
+
+    launcher_class = StoppedFirstSSHEngineLauncher

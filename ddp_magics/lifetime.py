@@ -23,7 +23,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +31,9 @@ import psutil
 
 OWNER_ENV = "DDP_MAGICS_OWNER"
 CLUSTER_DIR_ENV = "DDP_MAGICS_CLUSTER_DIR"
+# ADDRESS:PORT where the owner listens for engines on other hosts, which cannot watch its PID:
+# a connection to it ends when the owner's process does.
+LIFELINE_ENV = "DDP_MAGICS_LIFELINE"
 # Where pidfds are missing (not Linux, or a kernel before 5.3) the owner is polled this often.
 POLL_SECONDS = 0.2
 OWNER_GONE_EXIT_CODE = 3
@@ -114,6 +117,19 @@ def process_alive(pid: int, create_time: float | None = None) -> bool:
         return False
 
 
+class Lifeline:
+    """The owner's end of the lifelines: a listening socket that engines on other hosts connect
+    to. The operating system closes it, and resets every connection to it, when the owner's
+    process ends however it ends (or when :meth:`close` is called)."""
+
+    def __init__(self, address: str) -> None:
+        self._socket = socket.create_server((address, 0), backlog=1024)
+        self.address = f"{address}:{self._socket.getsockname()[1]}"
+
+    def close(self) -> None:
+        self._socket.close()
+
+
 def launch_environment(cluster_dir: Path) -> dict[str, str]:
     """Environment for the processes this process launches for the cluster in ``cluster_dir``."""
     return {OWNER_ENV: str(Owner.this_process()), CLUSTER_DIR_ENV: str(cluster_dir)}
@@ -130,17 +146,45 @@ def watch_owner(remove_cluster_dir: bool = False) -> None:
     if not owner_text:
         return  # started by hand, not by ddp_magics: nobody to watch
     owner = Owner.parse(owner_text)
-    if not owner.on_this_machine:
-        return  # on another machine; ipyparallel's heartbeat check (max_heartbeat_misses) is left
     cluster_dir = Path(os.environ[CLUSTER_DIR_ENV]) if remove_cluster_dir else None
-    threading.Thread(
-        target=_exit_after, args=(owner, cluster_dir), name="ddp-magics-owner-watch", daemon=True
-    ).start()
+    if owner.on_this_machine:
+        _watch_in_thread(owner.wait, owner, cluster_dir)
+    lifeline = os.environ.get(LIFELINE_ENV)
+    if lifeline:  # engines launched on other hosts (ssh, mpi, slurm), wherever they landed
+        _watch_in_thread(_lifeline_waiter(lifeline), owner, cluster_dir)
 
 
-def _exit_after(owner: Owner, cluster_dir: Path | None) -> None:
-    owner.wait()
-    exit_with_children(owner, cluster_dir)
+def _watch_in_thread(wait: Callable[[], None], owner: Owner, cluster_dir: Path | None) -> None:
+    def watch() -> None:
+        wait()
+        exit_with_children(owner, cluster_dir)
+
+    threading.Thread(target=watch, name="ddp-magics-owner-watch", daemon=True).start()
+
+
+def _lifeline_waiter(lifeline: str) -> Callable[[], None]:
+    """Connect to the owner's :class:`Lifeline` now; the returned function blocks until that
+    connection ends. If it cannot connect, this process cannot watch the owner: say so."""
+    address, _, port = lifeline.rpartition(":")
+    try:
+        connection = socket.create_connection((address, int(port)), timeout=10)
+    except OSError as error:
+        print(
+            f"ddp_magics: cannot reach the owner's lifeline {lifeline} ({error}); this process "
+            "will not notice if the notebook's kernel ends",
+            file=sys.stderr,
+        )
+        return threading.Event().wait  # never set: nothing to watch
+    connection.settimeout(None)
+    connection.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+
+    def wait() -> None:
+        # Ends with the connection: closed (b"") or reset (OSError) as the owner's end goes.
+        with contextlib.suppress(OSError):
+            while connection.recv(1):
+                pass
+
+    return wait
 
 
 def exit_with_children(owner: Owner, cluster_dir: Path | None = None) -> None:

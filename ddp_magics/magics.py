@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import atexit
 import html
+import ipaddress
+import sys
 import time
 from collections.abc import Callable
 
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
-from traitlets import Bool, Enum, Float, Integer, Unicode
+from traitlets import Bool, Enum, Float, Integer, List, Unicode
 
 from ddp_magics import cluster as cluster_module
-from ddp_magics.cluster import BACKENDS, CellRun, ClusterError, Progress, RankCluster
+from ddp_magics.cluster import BACKENDS, LAUNCHERS, CellRun, ClusterError, HostSpec, Progress, RankCluster
 from ddp_magics.errors import RESTART_ADVICE, DistributedCellError, failure_from_remote_error, usage_error
 from ddp_magics.live_view import LiveView
 from ddp_magics.matching import Trace
@@ -56,6 +58,24 @@ def _traced_call(trace: Trace | None, rank: int) -> str | None:
     """``recv from rank 1`` for a rank blocked in a traced call."""
     event = trace.in_progress(rank) if trace else None
     return event.call() if event else None
+
+
+def parse_hosts(spec: str) -> list[HostSpec]:
+    """``nodeA:2,nodeB:2`` (``[user@]host[:ranks]``, 1 rank if not given) -> host specs in
+    rank order; UsageError if malformed or if a host comes twice."""
+    hosts: list[HostSpec] = []
+    for part in spec.split(","):
+        location, colon, count = part.strip().rpartition(":")
+        if not colon:
+            location, count = count, "1"
+        if not location or not count.isdigit() or int(count) < 1:
+            raise usage_error(f"--hosts {spec!r}: expected hosts like nodeA:2,nodeB:2 (host:ranks)")
+        hosts.append(HostSpec(location, int(count)))
+    names = [host.name.lower() for host in hosts]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise usage_error(f"--hosts {spec!r}: {', '.join(twice)} given twice; list each host once")
+    return hosts
 
 
 @magics_class
@@ -100,8 +120,27 @@ class DistributedMagics(Magics):
     trace_values_limit = Integer(
         16, config=True, help="Traced tensors with at most this many elements keep their values."
     )
-    engine_launcher = Unicode(
-        "local", config=True, help="ipyparallel engine launcher: local, mpi, ssh, slurm, ..."
+    engines = Enum(
+        LAUNCHERS,
+        "local",
+        config=True,
+        help="ipyparallel engine launcher %dist_start uses without --engines: local, ssh, mpi, slurm.",
+    )
+    controller_ip = Unicode(
+        None,
+        allow_none=True,
+        config=True,
+        help="Address the controller listens on without --ip (default: 127.0.0.1 for local "
+        "engines, else the address of this host that the hosts are reached from).",
+    )
+    ssh_command = List(Unicode(), ["ssh"], config=True, help="ssh command (and options) for --engines ssh.")
+    remote_python = Unicode(
+        sys.executable,
+        config=True,
+        help="Python that runs the engines on other hosts (by default this one's path).",
+    )
+    mpi_command = List(
+        Unicode(), [], config=True, help="mpiexec command for --engines mpi (default: the mpi extra's MPICH)."
     )
 
     def __init__(self, shell=None, **kwargs) -> None:
@@ -115,6 +154,13 @@ class DistributedMagics(Magics):
     @argument("-n", type=int, default=None, help="number of ranks (default: GPUs, else 2)")
     @argument("--backend", choices=BACKENDS, default=None, help="process group backend")
     @argument("--timeout", type=float, default=None, help="torch.distributed timeout in seconds")
+    @argument(
+        "--hosts",
+        default=None,
+        help="ranks per host, in rank order: nodeA:2,nodeB:2 ([user@]host[:ranks]; implies --engines ssh)",
+    )
+    @argument("--engines", choices=LAUNCHERS, default=None, help="ipyparallel engine launcher")
+    @argument("--ip", default=None, help="address the controller listens on (see controller_ip)")
     @line_magic
     def dist_start(self, line: str) -> None:
         """Start a cluster whose engines are the ranks of one process group."""
@@ -126,8 +172,25 @@ class DistributedMagics(Magics):
             )
             return
         backend = args.backend or self.backend
-        gpus = cluster_module.visible_gpu_count() if self.engine_launcher == "local" else None
+        hosts = parse_hosts(args.hosts) if args.hosts is not None else []
+        engines = args.engines or ("ssh" if hosts and self.engines == "local" else self.engines)
+        if hosts and engines not in ("ssh", "mpi"):
+            raise usage_error(f"--hosts goes with --engines ssh or mpi, not {engines}")
+        if engines == "ssh" and not hosts:
+            raise usage_error("--engines ssh needs --hosts, e.g. --hosts nodeA:2,nodeB:2")
+        controller_ip = args.ip if args.ip is not None else self.controller_ip
+        if controller_ip is not None:
+            try:
+                ipaddress.IPv4Address(controller_ip)
+            except ValueError:
+                raise usage_error(f"--ip {controller_ip!r}: expected an IPv4 address of this host") from None
+        gpus = cluster_module.visible_gpu_count() if engines == "local" else None
         world_size = args.n if args.n is not None else self.default_world_size
+        if hosts:
+            listed = sum(host.ranks for host in hosts)
+            if args.n is not None and args.n != listed:
+                raise usage_error(f"-n {args.n}, but --hosts {args.hosts} gives {listed} ranks: leave -n out")
+            world_size = listed
         if world_size is None:
             world_size = gpus or 2
         if world_size < 1:
@@ -140,15 +203,24 @@ class DistributedMagics(Magics):
         if timeout <= 0:
             raise usage_error(f"--timeout {timeout:g}: must be more than 0 seconds")
         self.report_strays()
-        self._last_config = dict(n=world_size, backend=backend, pg_timeout=timeout)
-        self._start(
-            RankCluster(
-                world_size,
-                backend=backend,
-                pg_timeout=timeout,
-                heartbeat_ms=self.heartbeat_ms,
-                engine_launcher=self.engine_launcher,
-            )
+        self._last_config = dict(
+            n=world_size,
+            backend=backend,
+            pg_timeout=timeout,
+            engine_launcher=engines,
+            hosts=hosts,
+            controller_ip=controller_ip,
+        )
+        self._start(self._new_cluster())
+
+    def _new_cluster(self) -> RankCluster:
+        """A cluster as the last %dist_start asked for."""
+        return RankCluster(
+            heartbeat_ms=self.heartbeat_ms,
+            ssh_command=self.ssh_command,
+            remote_python=self.remote_python,
+            mpi_command=self.mpi_command,
+            **self._last_config,
         )
 
     def _start(self, cluster: RankCluster) -> None:
@@ -223,13 +295,7 @@ class DistributedMagics(Magics):
         if self.cluster is not None:
             self._last_config["backend"] = self.cluster.backend
             self._stop_cluster()
-        self._start(
-            RankCluster(
-                heartbeat_ms=self.heartbeat_ms,
-                engine_launcher=self.engine_launcher,
-                **self._last_config,
-            )
-        )
+        self._start(self._new_cluster())
 
     def report_strays(self) -> None:
         for report in cluster_module.stop_stray_clusters():

@@ -174,14 +174,17 @@ def render(outputs: list[RankOutput], collapse: bool = True, max_lines: int = 20
 class StatusTable:
     """%dist_status: one row per rank."""
 
-    columns = ("rank", "host", "pid", "device", "state")
-
     def __init__(self, backend: str, statuses: list, busy: list[int]) -> None:
         self.backend = backend
+        # Ranks on several hosts: which address each host has (namespaces of one machine, or
+        # machines, may share a host name).
+        several_hosts = len({status.info.address for status in statuses}) > 1
+        self.columns = ("rank", "host", *(["address"] if several_hosts else []), "pid", "device", "state")
         self.rows = [
             (
                 str(status.info.rank),
                 status.info.host,
+                *([status.info.address] if several_hosts else []),
                 str(status.info.pid),
                 status.info.device,
                 "dead" if not status.alive else "busy" if status.info.rank in busy else "alive",
@@ -190,7 +193,7 @@ class StatusTable:
         ]
 
     def __repr__(self) -> str:
-        widths = [max(len(row[i]) for row in [self.columns, *self.rows]) for i in range(5)]
+        widths = [max(len(row[i]) for row in [self.columns, *self.rows]) for i in range(len(self.columns))]
         lines = [f"backend {self.backend}, world size {len(self.rows)}"]
         for row in [self.columns, *self.rows]:
             lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())

@@ -30,11 +30,11 @@ def numbered_cell(code: str, number: int) -> str:
 class EngineProbe:
     """What an engine reports about itself before ranks are assigned."""
 
-    host: str
+    host: str  # its host name (several network namespaces of one machine share it)
+    address: str  # the address its host reaches the controller from: one per host
     pid: int
     gpu_count: int
-    free_port: int
-
+    free_port: int  # free on ``address``, for rank 0's rendezvous store
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,15 @@ class RankSetup:
     backend: str
     device: str
     timeout_s: float
-
+    # As torchrun sets them: this rank's host is host GROUP_RANK of GROUP_WORLD_SIZE, with
+    # LOCAL_WORLD_SIZE ranks.
+    group_rank: int = 0
+    group_world_size: int = 1
+    local_world_size: int = 1
+    # With ranks on several hosts: the address of this rank's host that the others reach, whose
+    # interface gloo and NCCL must use (by default they take the address the host name resolves
+    # to, often 127.0.1.1).
+    address: str | None = None
 
 
 def format_ranks(ranks: list[int]) -> str:

@@ -3,14 +3,20 @@ nothing left once it exits (tests/two_hosts.py)."""
 
 from __future__ import annotations
 
+import os
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import psutil
 import pytest
 
 from tests.two_hosts import HOST_A, HOST_B, TwoHosts, skip_reason
+from tests.two_hosts_cases import SSH_CONFIG_ENV
+
+ROOT = Path(__file__).resolve().parent.parent
+CASES = "tests/two_hosts_cases.py"
 
 pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")
 
@@ -85,4 +91,26 @@ def test_exit_kills_what_a_test_left_in_the_namespaces():
     sleeper.wait(timeout=5)
     assert not psutil.pid_exists(sleeper.pid)
     assert not psutil.pid_exists(int(detached.stdout))
+    assert_all_gone(hosts)
+
+
+def test_ranks_on_two_hosts_through_the_ssh_launcher():
+    """tests/two_hosts_cases.py, run by pytest in namespace a (the notebook's host): 2 engines
+    there and 2 in namespace b, each started over ssh. Afterwards neither namespace runs
+    anything but its sshd."""
+    with TwoHosts(exit_grace=0) as hosts:
+        environment = {**os.environ, SSH_CONFIG_ENV: hosts.ssh_config}
+        inner = subprocess.run(
+            hosts.in_a([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", CASES]),
+            capture_output=True,
+            text=True,
+            env=environment,
+            cwd=ROOT,
+            timeout=600,
+        )
+        assert inner.returncode == 0, inner.stdout[-6000:] + inner.stderr[-3000:]
+        assert "skipped" not in inner.stdout.splitlines()[-1]
+        left = {ns: [(p.pid, p.cmdline()) for p in ps] for ns, ps in hosts.leftovers().items()}
+        assert left == {hosts.ns_a: [], hosts.ns_b: []}
+    assert hosts.killed_at_exit == []
     assert_all_gone(hosts)

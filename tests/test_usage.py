@@ -18,6 +18,15 @@ from tests.conftest import run_cell
         ("--backend mpi", "invalid choice"),
         ("--timeout -1", "must be more than 0"),
         ("--frobnicate", "unrecognized arguments"),
+        ("--hosts nodeA:2,nodeB:x", "expected hosts like nodeA:2,nodeB:2"),
+        ("--hosts nodeA:2,nodea:1", "nodea given twice"),
+        ("-n 5 --hosts nodeA:2,nodeB:2", "gives 4 ranks"),
+        ("--engines local --hosts nodeA:2", "--hosts goes with --engines ssh or mpi"),
+        ("--engines slurm --hosts nodeA:2", "--hosts goes with --engines ssh or mpi"),
+        ("--engines ssh", "--engines ssh needs --hosts"),
+        ("--ip nodeA", "expected an IPv4 address"),
+        ("--hosts no-such-host.invalid:2", "unknown host 'no-such-host.invalid'"),
+        ("--engines slurm -n 2", "--engines slurm needs --ip"),
     ],
 )
 def test_bad_start_arguments_start_nothing(ip, magics, line, message):

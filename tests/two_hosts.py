@@ -103,7 +103,8 @@ def _describe(process: psutil.Process) -> tuple[int, list[str]]:
 
 
 class TwoHosts:
-    """Namespaces ``ns_a`` (HOST_A) and ``ns_b`` (HOST_B) on a veth pair; sshd listening in b.
+    """Namespaces ``ns_a`` (HOST_A) and ``ns_b`` (HOST_B) on a veth pair; an sshd listening in
+    each (a launcher that starts engines over ssh reaches host a, its own, the same way as b).
 
     ``exit_grace``: seconds ``close()`` lets processes left in the namespaces (an sshd session
     finishing as the test ends) exit on their own before it kills and records them.
@@ -119,6 +120,7 @@ class TwoHosts:
         self.tmp: Path | None = None
         self.ssh_config = ""
         self.sshd: subprocess.Popen | None = None
+        self.sshd_a: subprocess.Popen | None = None
         self.sshd_log: Path | None = None
         self.killed_at_exit: list[tuple[int, list[str]]] = []
         self._namespaces: list[str] = []
@@ -142,7 +144,11 @@ class TwoHosts:
 
     def ssh_b(self, command: str, timeout: float = 30) -> subprocess.CompletedProcess:
         """Run a shell command on host b as root, over ssh from host a."""
-        argv = self.in_a([*self.ssh_command, HOST_B, command])
+        return self.ssh(HOST_B, command, timeout)
+
+    def ssh(self, host: str, command: str, timeout: float = 30) -> subprocess.CompletedProcess:
+        """Run a shell command on ``host`` (HOST_A or HOST_B) as root, over ssh from host a."""
+        argv = self.in_a([*self.ssh_command, host, command])
         return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
 
     # -- processes --------------------------------------------------------------------------
@@ -164,8 +170,8 @@ class TwoHosts:
 
     def leftovers(self) -> dict[str, list[psutil.Process]]:
         """Processes in each namespace other than sshd itself."""
-        sshd_pid = self.sshd.pid if self.sshd else None
-        return {ns: [p for p in self.processes_in(ns) if p.pid != sshd_pid] for ns in self._namespaces}
+        daemons = {daemon.pid for daemon in (self.sshd, self.sshd_a) if daemon is not None}
+        return {ns: [p for p in self.processes_in(ns) if p.pid not in daemons] for ns in self._namespaces}
 
     # -- lifetime ---------------------------------------------------------------------------
 
@@ -173,7 +179,8 @@ class TwoHosts:
         try:
             self._network()
             self._keys_and_configs()
-            self._start_sshd()
+            self.sshd = self._start_sshd(self.ns_b, HOST_B)
+            self.sshd_a = self._start_sshd(self.ns_a, HOST_A)
         except BaseException:
             self.close()
             raise
@@ -200,17 +207,15 @@ class TwoHosts:
             _run(["ssh-keygen", "-t", "ed25519", "-N", "", "-q", "-C", f"ddpm-{name}", "-f", str(tmp / name)])
         (tmp / "authorized_keys").write_text((tmp / "client_key.pub").read_text())
         host_public = (tmp / "host_key.pub").read_text().strip()
-        (tmp / "known_hosts").write_text(f"{HOST_B} {host_public}\n")
+        (tmp / "known_hosts").write_text(f"{HOST_A} {host_public}\n{HOST_B} {host_public}\n")
         # The launcher under test opens many connections at once: raise sshd's limits on
         # unauthenticated connections and sessions per connection. OpenSSH 9's scp speaks SFTP, so
         # the sftp subsystem is needed for scp_command (internal-sftp needs no helper binary).
         (tmp / "sshd_config").write_text(
             f"""\
-ListenAddress {HOST_B}
 Port 22
 HostKey {tmp}/host_key
 AuthorizedKeysFile {tmp}/authorized_keys
-PidFile {tmp}/sshd.pid
 PermitRootLogin prohibit-password
 PubkeyAuthentication yes
 PasswordAuthentication no
@@ -227,7 +232,7 @@ Subsystem sftp internal-sftp
         )
         (tmp / "ssh_config").write_text(
             f"""\
-Host {HOST_B}
+Host {HOST_A} {HOST_B}
     User root
     Port 22
     IdentityFile {tmp}/client_key
@@ -243,37 +248,43 @@ Host {HOST_B}
         )
         self.ssh_config = str(tmp / "ssh_config")
 
-    def _start_sshd(self) -> None:
+    def _start_sshd(self, ns: str, address: str) -> subprocess.Popen:
+        """An sshd in ``ns`` listening on ``address``, once it accepts a login from host a."""
         assert self.tmp is not None
         if not PRIVSEP_DIR.exists():
             PRIVSEP_DIR.mkdir(mode=0o755)
             PRIVSEP_DIR.chmod(0o755)  # whatever the umask: sshd refuses a group/world-writable one
         self.sshd_log = self.tmp / "sshd.log"
-        with open(self.sshd_log, "wb") as log:
-            self.sshd = subprocess.Popen(
-                self.in_b([SSHD, "-D", "-e", "-f", str(self.tmp / "sshd_config")]),
+        pid_file = self.tmp / f"sshd-{address}.pid"
+        with open(self.sshd_log, "ab") as log:
+            sshd = subprocess.Popen(
+                ["ip", "netns", "exec", ns, SSHD, "-D", "-e", "-f", str(self.tmp / "sshd_config"),
+                 "-o", f"ListenAddress={address}", "-o", f"PidFile={pid_file}"],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             )  # fmt: skip
         deadline = time.monotonic() + START_TIMEOUT
         while True:
-            if self.sshd.poll() is not None:
-                raise RuntimeError(f"sshd exited ({self.sshd.returncode}):\n{self._log()}")
+            if sshd.poll() is not None:
+                raise RuntimeError(f"sshd exited ({sshd.returncode}):\n{self._log()}")
             try:
-                probe = self.ssh_b("true", timeout=START_TIMEOUT)
+                probe = self.ssh(address, "true", timeout=START_TIMEOUT)
                 if probe.returncode == 0:
                     break
                 error = probe.stderr.strip()
             except subprocess.TimeoutExpired:
                 error = "ssh timed out"
             if time.monotonic() > deadline:
-                raise RuntimeError(f"sshd in {self.ns_b} refused ssh ({error}):\n{self._log()}")
+                sshd.kill()
+                sshd.wait()
+                raise RuntimeError(f"sshd in {ns} refused ssh ({error}):\n{self._log()}")
             time.sleep(0.05)
         # `ip netns exec` execs its command, so the Popen's PID is sshd's own (and the one in the
         # pid file): stopping it by that PID stops the listener.
-        process = psutil.Process(self.sshd.pid)
-        pid_file = (self.tmp / "sshd.pid").read_text().strip()
-        if process.exe() != SSHD or pid_file != str(self.sshd.pid):
-            raise RuntimeError(f"PID {self.sshd.pid} is {process.exe()}, pid file says {pid_file}")
+        process = psutil.Process(sshd.pid)
+        recorded = pid_file.read_text().strip()
+        if process.exe() != SSHD or recorded != str(sshd.pid):
+            raise RuntimeError(f"PID {sshd.pid} is {process.exe()}, pid file says {recorded}")
+        return sshd
 
     def _log(self) -> str:
         try:
@@ -288,14 +299,16 @@ Host {HOST_B}
             return
         self._closed = True
         errors: list[BaseException] = []
-        if self.sshd is not None and self.sshd.poll() is None:
+        for sshd in (self.sshd, self.sshd_a):
+            if sshd is None or sshd.poll() is not None:
+                continue
             try:
-                self.sshd.terminate()
+                sshd.terminate()
                 try:
-                    self.sshd.wait(timeout=5)
+                    sshd.wait(timeout=5)
                 except subprocess.TimeoutExpired:
-                    self.sshd.kill()
-                    self.sshd.wait(timeout=5)
+                    sshd.kill()
+                    sshd.wait(timeout=5)
             except Exception as error:
                 errors.append(error)
         try:

@@ -43,18 +43,41 @@ def take_cell_number(lines: list[str]) -> list[str]:
     return lines[1:]
 
 
-def probe_engine() -> EngineProbe:
+def probe_engine(controller_address: str) -> EngineProbe:
+    """This engine's host, GPUs and a free port on the address it reaches the controller from."""
     import torch
 
+    address = address_towards(controller_address)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((address, 0))
         free_port = sock.getsockname()[1]
     return EngineProbe(
         host=socket.gethostname(),
+        address=address,
         pid=os.getpid(),
         gpu_count=torch.cuda.device_count(),
         free_port=free_port,
     )
+
+
+def address_towards(destination: str) -> str:
+    """The address of this host that packets to ``destination`` leave from (the kernel's routing
+    choice; connecting a UDP socket sends nothing)."""
+    if destination.startswith("127."):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.connect((destination, 9))
+        return sock.getsockname()[0]
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the network interface that has ``address``."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(entry.family == socket.AF_INET and entry.address == address for entry in addresses):
+            return name
+    return None
 
 
 def open_rendezvous(setup: RankSetup) -> None:
@@ -108,9 +131,18 @@ def setup_rank(setup: RankSetup) -> str:
         RANK=str(setup.rank),
         LOCAL_RANK=str(setup.local_rank),
         WORLD_SIZE=str(setup.world_size),
+        LOCAL_WORLD_SIZE=str(setup.local_world_size),
+        GROUP_RANK=str(setup.group_rank),
+        GROUP_WORLD_SIZE=str(setup.group_world_size),
+        ROLE_RANK=str(setup.rank),
+        ROLE_WORLD_SIZE=str(setup.world_size),
         MASTER_ADDR=setup.master_addr,
         MASTER_PORT=str(setup.master_port),
     )
+    interface = interface_of(setup.address) if setup.address else None
+    if interface:  # a user's own choice, made before %dist_start, wins
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
     # Figures made on a rank are sent back as images, like in a notebook kernel.
     os.environ.setdefault("MPLBACKEND", INLINE_BACKEND)
 
@@ -134,6 +166,8 @@ def setup_rank(setup: RankSetup) -> str:
         rank=setup.rank,
         world_size=setup.world_size,
         local_rank=setup.local_rank,
+        local_world_size=setup.local_world_size,
+        node_rank=setup.group_rank,
         device=device,
         dist=dist,
         torch=torch,
