@@ -25,7 +25,7 @@ $(PY):
 # Re-runs only when the dependencies or their pins change (or the venv is new). The kernel spec
 # installed into the venv makes "python3" run the venv's python, in JupyterLab and under nbclient.
 $(STAMP): pyproject.toml constraints.txt | $(PY)
-	$(PIP) install $(CONSTRAINTS) -e ".[test]"
+	$(PIP) install $(CONSTRAINTS) -e ".[test,mpi]"
 	$(PY) -m ipykernel install --sys-prefix --name python3
 	touch $@
 
@@ -80,7 +80,7 @@ notebooks: install
 
 # The bench extra adds the peers benchmarks/peers.py compares with.
 $(BENCH_STAMP): $(STAMP)
-	$(PIP) install $(CONSTRAINTS) -e ".[test,bench]"
+	$(PIP) install $(CONSTRAINTS) -e ".[test,mpi,bench]"
 	touch $@
 
 bench: $(BENCH_STAMP)

@@ -257,7 +257,8 @@ def cluster_file_pids(cluster_file: Path) -> list[int]:
         return []
     pids = [data.get("controller", {}).get("state", {}).get("pid", -1)]
     for engine_set in data.get("engines", {}).get("sets", {}).values():
-        for engine in engine_set.get("engines", {}).values():
+        pids.append(engine_set.get("pid", -1))  # a set that is one process (mpiexec)
+        for engine in engine_set.get("engines", {}).values():  # a set of processes
             pids.append(engine.get("pid", -1))
     return [pid for pid in pids if isinstance(pid, int) and pid > 0]
 
