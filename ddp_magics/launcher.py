@@ -17,6 +17,7 @@ import select
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -111,10 +112,15 @@ class ZygoteEngineSetLauncher(LocalEngineSetLauncher):
 
 
 class StoppedFirstSSHEngineLauncher(SSHEngineLauncher):
-    """ipyparallel's SSH engine launcher for engines that ddp_magics stops first (SIGKILL through
-    their nannies, see ``cluster.stop``). Stopping one then takes one ssh call that finds it gone,
-    instead of a TERM to a PID that no longer exists (whose remote traceback would reach the
-    notebook's log), a wait and a copy of its log back over scp."""
+    """ipyparallel's SSH engine launcher, started alongside the others of its set (see below), for
+    engines that ddp_magics stops first (SIGKILL through their nannies, see ``cluster.stop``).
+    Stopping one then takes one ssh call that finds it gone, instead of a TERM to a PID that no
+    longer exists (whose remote traceback would reach the notebook's log), a wait and a copy of
+    its log back over scp."""
+
+    def start(self, hostname=None, user=None, port=None) -> None:
+        self.loop  # noqa: B018 (fixes the launcher's event loop to this thread's, as ipyparallel asks)
+        self.starting = self.parent.starting_pool.submit(super().start, hostname, user, port)
 
     async def stop(self) -> None:
         try:
@@ -128,6 +134,15 @@ class StoppedFirstSSHEngineLauncher(SSHEngineLauncher):
 
 
 class StoppedFirstSSHEngineSetLauncher(SSHEngineSetLauncher):
-    """ipyparallel's SSH engine set (``engines = {host: n}``), each engine stopped as above."""
+    """ipyparallel's SSH engine set (``engines = {host: n}``) with its engines started at once
+    rather than one after another: each takes four ssh calls, one of them a remote
+    ``IPython profile create`` (about 3 s an engine over a fast link)."""
 
     launcher_class = StoppedFirstSSHEngineLauncher
+
+    def start(self, n: int) -> list:
+        with ThreadPoolExecutor(max_workers=max(n, 1)) as self.starting_pool:
+            started = super().start(n)
+        for launcher in self.launchers.values():
+            launcher.starting.result()  # the first engine that could not start raises here
+        return started
