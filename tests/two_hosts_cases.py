@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import threading
 
 import psutil
@@ -74,6 +75,12 @@ def test_ranks_come_host_by_host_with_torchrun_variables(ip, healthy):
     assert shown_text(captured) == "\n".join(
         f"[rank {rank}]\n{rank} {rank % 2} 2 {rank // 2} 2 {HOST_A}" for rank in range(4)
     )
+    # The connection files (the controller's keys) are the user's alone, in a directory only the
+    # user can enter.
+    workdir = healthy.cluster.workdir
+    files = sorted((workdir / "profile" / "security").glob("ipcontroller-*.json"))
+    assert len(files) == 2 and {stat.S_IMODE(path.stat().st_mode) for path in files} == {0o600}
+    assert stat.S_IMODE(workdir.stat().st_mode) == stat.S_IMODE(workdir.parent.stat().st_mode) == 0o700
     # gloo talks over the veth, not over the address the host name resolves to.
     captured, _ = run_cell(ip, "", "print(os.environ['GLOO_SOCKET_IFNAME'].endswith(('va', 'vb')))")
     assert shown_text(captured) == "[ranks 0-3]\nTrue"
