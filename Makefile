@@ -14,8 +14,9 @@ ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 
 CHROMIUM := /usr/bin/chromium
 SSHD := /usr/sbin/sshd
+SLURMD := /usr/sbin/slurmd
 
-.PHONY: install browser sshd lab test notebooks bench clean
+.PHONY: install browser sshd slurm lab test notebooks bench clean
 
 install: $(STAMP)
 
@@ -65,8 +66,21 @@ sshd:
 		fi; \
 	fi
 
+# tests/test_slurm.py runs a one-node Slurm (slurmctld and slurmd on 127.0.0.1, tests/one_node_slurm.py).
+# As root Debian's slurm-wlm is installed when missing; otherwise that test is skipped.
+slurm:
+	@if [ ! -x $(SLURMD) ]; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			echo "installing Debian's slurm-wlm for the Slurm test"; \
+			export DEBIAN_FRONTEND=noninteractive; \
+			apt-get update -qq && apt-get install -y -qq --no-install-recommends slurm-wlm >/dev/null; \
+		else \
+			echo "Slurm test skipped: not root with apt-get to install Debian's slurm-wlm"; \
+		fi; \
+	fi
+
 # The notebook step treats "no tests collected" (exit code 5) and a missing notebooks/ as success.
-test: install browser sshd
+test: install browser sshd slurm
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest tests
 	@if [ ! -d notebooks ]; then echo "notebooks/ missing: no lessons to test"; exit 0; fi; \
