@@ -193,6 +193,7 @@ class RankCluster:
         ssh_command: Iterable[str] = ("ssh",),
         remote_python: str = sys.executable,
         mpi_command: Iterable[str] = (),
+        launcher_settings: dict | None = None,
     ) -> None:
         if n < 1:
             raise ValueError(f"a cluster needs at least one rank, not {n}")
@@ -205,6 +206,7 @@ class RankCluster:
         self.ssh_command = list(ssh_command)
         self.remote_python = remote_python
         self.mpi_command = list(mpi_command) or [_mpiexec()]
+        self.launcher_settings = launcher_settings or {}
         self._lifeline: Lifeline | None = None
         self._controller_address = LOCAL_HOST
         self.n = n
@@ -309,6 +311,7 @@ class RankCluster:
             if self.hosts:  # MPICH's (hydra's) form
                 hosts = ",".join(f"{host.name}:{host.ranks}" for host in self.hosts)
                 config.MPILauncher.mpi_args = ["-hosts", hosts]
+        config.merge(Config(self.launcher_settings))  # the user's, last: e.g. a Slurm account
         return config
 
     def _choose_controller_address(self) -> str:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
-from traitlets import Bool, Enum, Float, Integer, List, Unicode
+from traitlets import Bool, Dict, Enum, Float, Integer, List, Unicode
 
 from ddp_magics import cluster as cluster_module
 from ddp_magics.cluster import BACKENDS, LAUNCHERS, CellRun, ClusterError, HostSpec, Progress, RankCluster
@@ -139,6 +139,11 @@ class DistributedMagics(Magics):
         config=True,
         help="Python that runs the engines on other hosts (by default this one's path).",
     )
+    launcher_settings = Dict(
+        config=True,
+        help="ipyparallel launcher settings, by class: "
+        "{'SlurmEngineSetLauncher': {'account': 'proj', 'timelimit': '1:00:00'}}.",
+    )
     mpi_command = List(
         Unicode(), [], config=True, help="mpiexec command for --engines mpi (default: the mpi extra's MPICH)."
     )
@@ -220,6 +225,7 @@ class DistributedMagics(Magics):
             ssh_command=self.ssh_command,
             remote_python=self.remote_python,
             mpi_command=self.mpi_command,
+            launcher_settings=self.launcher_settings,
             **self._last_config,
         )
 

@@ -135,6 +135,10 @@ class OneNodeSlurm:
         answer = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, timeout=10)
         return answer.stdout.split()
 
+    def time_limits(self) -> list[str]:
+        answer = subprocess.run(["squeue", "-h", "-o", "%l"], capture_output=True, text=True, timeout=10)
+        return answer.stdout.split()
+
     def log(self) -> str:
         if self.tmp is None:
             return ""

@@ -15,12 +15,16 @@ pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() 
 def test_two_ranks_as_a_slurm_job_with_output_a_hang_report_and_stop(ip):
     with OneNodeSlurm() as slurm:
         with capture_output() as captured:
+            # A setting for ipyparallel's Slurm launcher goes through: the job's time limit.
+            settings = {"SlurmEngineSetLauncher": {"timelimit": "0:10:00"}}
+            ip.run_line_magic("config", f"DistributedMagics.launcher_settings = {settings!r}")
             ip.run_line_magic("dist_start", "--engines slurm -n 2 --ip 127.0.0.1 --backend gloo")
         magics = current_magics(ip)
         processes = magics.cluster.processes()
         try:
             assert captured.stdout.strip() == "2 ranks ready: backend gloo, world size 2, devices cpu x2"
             assert len(slurm.jobs()) == 1
+            assert slurm.time_limits() == ["10:00"]
             cell = "import os\nt = torch.tensor([rank + 1.0])\ndist.all_reduce(t)\n"
             cell += "print(t.item(), os.environ['SLURM_JOB_ID'] != '')"
             captured, error = run_cell(ip, "", cell)
@@ -34,6 +38,7 @@ def test_two_ranks_as_a_slurm_job_with_output_a_hang_report_and_stop(ip):
         finally:
             with capture_output():
                 ip.run_line_magic("dist_stop", "")
+            ip.run_line_magic("config", "DistributedMagics.launcher_settings = {}")
         assert_gone(processes)
         assert slurm.jobs() == []
     assert slurm.left_at_exit == []
