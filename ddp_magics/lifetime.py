@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import select
+import selectors
 import shutil
 import socket
 import sys
@@ -119,15 +120,39 @@ def process_alive(pid: int, create_time: float | None = None) -> bool:
 
 class Lifeline:
     """The owner's end of the lifelines: a listening socket that engines on other hosts connect
-    to. The operating system closes it, and resets every connection to it, when the owner's
-    process ends however it ends (or when :meth:`close` is called)."""
+    to. The operating system closes it and every connection to it when the owner's process ends,
+    however it ends (or when :meth:`close` is called). A thread accepts the connections, and
+    closes each one whose engine has gone (so restarts do not fill the queue)."""
 
     def __init__(self, address: str) -> None:
-        self._socket = socket.create_server((address, 0), backlog=1024)
-        self.address = f"{address}:{self._socket.getsockname()[1]}"
+        self._server = socket.create_server((address, 0))
+        self.address = f"{address}:{self._server.getsockname()[1]}"
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._server, selectors.EVENT_READ)
+        self._closing, self._waker = socket.socketpair()
+        self._selector.register(self._closing, selectors.EVENT_READ)
+        self._thread = threading.Thread(target=self._serve, name="ddp-magics-lifeline", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            for key, _ in self._selector.select():
+                if key.fileobj is self._closing:
+                    return
+                if key.fileobj is self._server:
+                    connection, _ = self._server.accept()
+                    self._selector.register(connection, selectors.EVENT_READ)
+                else:  # engines send nothing: readable means that engine's end has closed
+                    self._selector.unregister(key.fileobj)
+                    key.fileobj.close()
 
     def close(self) -> None:
-        self._socket.close()
+        self._waker.send(b"x")
+        self._thread.join()
+        for key in list(self._selector.get_map().values()):
+            key.fileobj.close()
+        self._selector.close()
+        self._waker.close()
 
 
 def launch_environment(cluster_dir: Path) -> dict[str, str]:

@@ -18,7 +18,16 @@ from IPython.utils.capture import capture_output
 from jupyter_client.manager import start_new_kernel
 
 from ddp_magics.cluster import CLUSTERS_ROOT, OWNER_FILE, stop_stray_clusters
-from ddp_magics.lifetime import CLUSTER_DIR_ENV, Owner, machine_boot_id, process_alive
+from ddp_magics.lifetime import (
+    CLUSTER_DIR_ENV,
+    LIFELINE_ENV,
+    OWNER_ENV,
+    OWNER_GONE_EXIT_CODE,
+    Lifeline,
+    Owner,
+    machine_boot_id,
+    process_alive,
+)
 from tests.conftest import assert_gone
 
 # Starts a cluster in a fresh interpreter and prints the PIDs of everything it runs.
@@ -204,3 +213,41 @@ def test_stray_recovery_of_half_removed_clusters_never_raises(ip):
     finally:
         for path in [*strays, being_made]:
             shutil.rmtree(path, ignore_errors=True)
+
+
+WATCHER = """
+import time
+from ddp_magics.lifetime import watch_owner
+watch_owner()
+print("watching", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_process_of_another_host_ends_when_the_owners_lifeline_closes(tmp_path):
+    """An engine on another machine cannot watch the kernel's PID (its owner names another boot
+    id); it holds a connection to the kernel's lifeline and exits once that closes."""
+    lifeline = Lifeline("127.0.0.1")
+    elsewhere = Owner(os.getpid(), psutil.Process().create_time(), "boot-id-of-another-machine")
+    environment = {
+        **os.environ,
+        OWNER_ENV: str(elsewhere),
+        CLUSTER_DIR_ENV: str(tmp_path),
+        LIFELINE_ENV: lifeline.address,
+    }
+    watcher = subprocess.Popen(
+        [sys.executable, "-c", WATCHER], env=environment, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert watcher.stdout.readline() == "watching\n"
+        time.sleep(0.3)
+        assert watcher.poll() is None  # the lifeline holds
+        started = time.monotonic()
+        lifeline.close()
+        assert watcher.wait(timeout=5) == OWNER_GONE_EXIT_CODE
+        assert time.monotonic() - started < 1.0
+    finally:
+        if watcher.poll() is None:
+            watcher.kill()
+            watcher.wait()
+        watcher.stdout.close()
