@@ -110,12 +110,15 @@ class RankStatus:
 class CellRun:
     """One cell running on some ranks: what each rank has answered so far."""
 
-    def __init__(self, result: ipp.AsyncResult, client: ipp.Client, ranks: list[int]) -> None:
+    def __init__(self, result: ipp.AsyncResult, ranks: list[int]) -> None:
         self.ranks = ranks
         self._result = result
-        # The client's own per-message metadata dicts, updated as replies and output arrive
-        # (AsyncResult.metadata would parse their timestamps at every look).
-        self._answers = dict(zip(ranks, (client.metadata[msg_id] for msg_id in result.msg_ids)))
+        # The AsyncResult's per-message metadata dicts, which the client updates as replies and
+        # output arrive: read once here (each read of AsyncResult.metadata parses timestamps),
+        # then looked at directly. Not the client's own table, which forgets a message as soon
+        # as its output is complete (possibly before this line runs).
+        answers = result.metadata
+        self._answers = dict(zip(ranks, [answers] if isinstance(answers, dict) else answers))
 
     def wait(self, timeout: float) -> bool:
         """Whether every rank has replied within ``timeout`` seconds."""
@@ -589,7 +592,7 @@ class RankCluster:
     def execute(self, code: str, ranks: list[int], cell_number: int) -> CellRun:
         """Start running ``code`` on ``ranks`` as the notebook's cell ``cell_number``; returns at once."""
         numbered = protocol.numbered_cell(code, cell_number)
-        return CellRun(self._view(ranks).execute(numbered, silent=False, block=False), self._client, ranks)
+        return CellRun(self._view(ranks).execute(numbered, silent=False, block=False), ranks)
 
     def push(self, namespace: dict) -> None:
         self._client[self.engine_ids()].push(namespace, block=True)
