@@ -143,3 +143,12 @@ def test_pull_of_unknown_name_is_usage_error(ip, cluster):
         ip.run_line_magic("dist_pull", "no_such_variable")
     with pytest.raises(UsageError, match="not defined in the notebook"):
         ip.run_line_magic("dist_push", "no_such_variable")
+
+
+def test_many_quick_cells_each_finish_with_their_output(ip, cluster):
+    """A cell can be over (reply and output in) before the notebook side looks at it: every one
+    of many quick cells must still be seen finished, with its value."""
+    for number in range(150):
+        captured, error = run_cell(ip, "--ranks 0", f"{number}")
+        assert error is None, f"cell {number}: {error}"
+        assert shown_text(captured) == f"[rank 0]\n{number}"
