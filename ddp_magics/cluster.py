@@ -314,6 +314,9 @@ class RankCluster:
             if self.hosts:  # MPICH's (hydra's) form
                 hosts = ",".join(f"{host.name}:{host.ranks}" for host in self.hosts)
                 config.MPILauncher.mpi_args = ["-hosts", hosts]
+        # Batch launchers (Slurm, ...) write their job script into the cluster's directory, not
+        # into the notebook's (the engines' working directory stays the notebook's).
+        config.BatchSystemLauncher.batch_file_name = str(self.workdir / "engines.sbatch")
         config.merge(Config(self.launcher_settings))  # the user's, last: e.g. a Slurm account
         return config
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from IPython.utils.capture import capture_output
 
@@ -13,6 +15,7 @@ pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() 
 
 
 def test_two_ranks_as_a_slurm_job_with_output_a_hang_report_and_stop(ip):
+    files_here = set(Path.cwd().iterdir())
     with OneNodeSlurm() as slurm:
         with capture_output() as captured:
             # A setting for ipyparallel's Slurm launcher goes through: the job's time limit.
@@ -42,3 +45,4 @@ def test_two_ranks_as_a_slurm_job_with_output_a_hang_report_and_stop(ip):
         assert_gone(processes)
         assert slurm.jobs() == []
     assert slurm.left_at_exit == []
+    assert set(Path.cwd().iterdir()) == files_here  # the job script went into the cluster's directory
