@@ -1,7 +1,8 @@
 """Re-execute the lessons in place: ``make notebooks`` (or name notebooks as arguments).
 
 Each notebook runs top to bottom in a fresh ``python3`` kernel with the notebook's folder as the
-working directory, and is written back with its new outputs. Run it with the venv's python: the
+working directory, and is written back with its new outputs, without execution timestamps or
+widget state (``--strip-only``: only remove those, running nothing). Run it with the venv's python: the
 ``python3`` kernel spec must start that same python, so the lessons use the pinned packages.
 """
 
@@ -54,11 +55,26 @@ def execute(path: Path) -> None:
         resources={"metadata": {"path": str(path.parent)}},
     )
     client.execute()
-    nbformat.write(notebook, path)
+    nbformat.write(strip_volatile(notebook), path)
+
+
+def strip_volatile(notebook):
+    """Drop what changes at every run and says nothing about the lesson: each cell's execution
+    timestamps and the saved state of widgets (the live view's, the ring stepper's: run the cell
+    to see a widget). tests/test_notebook_hygiene.py fails if they come back."""
+    for cell in notebook.cells:
+        cell.metadata.pop("execution", None)
+    notebook.metadata.pop("widgets", None)
+    return notebook
 
 
 def main(arguments: list[str]) -> int:
-    paths = notebooks(arguments)
+    strip_only = "--strip-only" in arguments
+    paths = notebooks([argument for argument in arguments if argument != "--strip-only"])
+    if strip_only:
+        for path in paths:
+            nbformat.write(strip_volatile(nbformat.read(path, as_version=4)), path)
+        return 0
     if not paths:
         print(f"no notebooks under {NOTEBOOKS.relative_to(ROOT)}/")
         return 0
