@@ -97,7 +97,9 @@ class BlockedRank:
             cell_file = self.frames[0].filename
             for frame in self.frames:
                 where = short_path(frame.filename, cell_file)
-                lines.append(f'      File "{where}", line {frame.line}, in {frame.function}')
+                # Line numbers of the cell only: those of installed code change with its version.
+                line = f", line {frame.line}" if frame.filename == cell_file else ""
+                lines.append(f'      File "{where}"{line}, in {frame.function}')
         return lines
 
 
