@@ -39,3 +39,13 @@ def _output_lines(notebook) -> list[str]:
             texts += [str(value) for value in output.get("data", {}).values()]
             lines += [re.sub(r"\x1b\[[0-9;]*m", "", line) for text in texts for line in text.splitlines()]
     return lines
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[path.stem for path in NOTEBOOKS])
+def test_reference_solutions_are_collapsed_so_learners_try_first(path):
+    """One convention in every lesson: a reference solution's code is hidden until the reader opens it
+    (its output, and the checker after it, stay visible)."""
+    notebook = nbformat.read(path, as_version=4)
+    solutions = [cell for cell in notebook.cells if "# Reference solution" in cell.source]
+    hidden = [cell.metadata.get("jupyter", {}).get("source_hidden", False) for cell in solutions]
+    assert solutions and all(hidden), [cell.source.splitlines()[1] for cell in solutions]
