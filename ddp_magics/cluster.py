@@ -345,26 +345,31 @@ class RankCluster:
     def _check_hosts(self, progress: Progress) -> dict[str, int]:
         """Reach every host over ssh before starting anything; returns each one's GPU count."""
         progress(f"reaching {len(self.hosts)} hosts over ssh")
+        return dict(zip([host.location for host in self.hosts], self._on_every_host(self._host_gpus)))
+
+    def _on_every_host(self, action: Callable[[HostSpec], object]) -> list:
+        """``action(host)`` for every host of the list at once (each is mostly an ssh call)."""
         with ThreadPoolExecutor(len(self.hosts)) as pool:
-            return dict(zip([h.location for h in self.hosts], pool.map(self._host_gpus, self.hosts)))
+            return list(pool.map(action, self.hosts))
+
+    def _ssh(self, host: HostSpec, command: str) -> subprocess.CompletedProcess:
+        """Run a shell ``command`` on ``host`` with the user's ssh, never asking for a password."""
+        return subprocess.run(
+            [*self.ssh_command, "-o", "BatchMode=yes", "-o", f"ConnectTimeout={SSH_CHECK_SECONDS}",
+             *host.ssh_target, command],
+            capture_output=True,
+            text=True,
+            timeout=SSH_CHECK_SECONDS + 5,
+            stdin=subprocess.DEVNULL,
+        )  # fmt: skip
 
     def _host_gpus(self, host: HostSpec) -> int:
-        command = [
-            *self.ssh_command,
-            "-o", "BatchMode=yes",
-            "-o", f"ConnectTimeout={SSH_CHECK_SECONDS}",
-            *host.ssh_target,
+        check = (
             f"test -x {shlex.quote(self.remote_python)} || echo 'no {self.remote_python}' >&2; "
-            "ls -d /dev/nvidia[0-9]* 2>/dev/null | wc -l",
-        ]  # fmt: skip
+            "ls -d /dev/nvidia[0-9]* 2>/dev/null | wc -l"
+        )
         try:
-            answer = subprocess.run(
-                command,
-                capture_output=True,
-                text=True,
-                timeout=SSH_CHECK_SECONDS + 5,
-                stdin=subprocess.DEVNULL,
-            )
+            answer = self._ssh(host, check)
         except subprocess.TimeoutExpired:
             raise ClusterError(f"{host.location} did not answer ssh within {SSH_CHECK_SECONDS} s") from None
         problem = answer.stderr.strip().splitlines()
@@ -502,10 +507,6 @@ class RankCluster:
         order = sorted(range(len(probes)), key=lambda i: (host_place(addresses[i]), engine_ids[i]))
         return [engine_ids[i] for i in order], [probes[i] for i in order]
 
-    @property
-    def several_hosts(self) -> bool:
-        return len({info.address for info in self.ranks}) > 1
-
     def _within_timeout(self, result: ipp.AsyncResult, doing: str):
         """The result, or a ClusterError if the engines take longer than ``engine_timeout``."""
         try:
@@ -546,18 +547,11 @@ class RankCluster:
 
         def remove(host: HostSpec) -> None:
             try:
-                subprocess.run(
-                    [*self.ssh_command, "-o", "BatchMode=yes", *host.ssh_target, command],
-                    capture_output=True,
-                    timeout=SSH_CHECK_SECONDS,
-                    stdin=subprocess.DEVNULL,
-                    check=True,
-                )
+                self._ssh(host, command).check_returncode()
             except (subprocess.SubprocessError, OSError) as error:
                 CLUSTER_LOG.error("could not remove %s on %s: %s", self.workdir, host.location, error)
 
-        with ThreadPoolExecutor(len(self.hosts)) as pool:
-            list(pool.map(remove, self.hosts))
+        self._on_every_host(remove)
 
     def processes(self) -> list[psutil.Process]:
         """Controller, engines and their helper processes (nannies, schedulers) now running."""

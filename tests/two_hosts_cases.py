@@ -18,7 +18,7 @@ from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
 from ddp_magics.errors import DistributedCellError
-from tests.conftest import assert_gone, run_cell, shown_text
+from tests.conftest import assert_gone, current_magics, run_cell, shown_text
 from tests.two_hosts import HOST_A, HOST_B
 
 SSH_CONFIG_ENV = "DDP_MAGICS_TEST_SSH_CONFIG"
@@ -48,7 +48,7 @@ def two_hosts(ip, ssh):
     with capture_output() as captured:
         ip.run_line_magic("dist_start", f"--hosts {HOSTS} --backend gloo")
     assert captured.stdout.strip() == "4 ranks ready: backend gloo, world size 4, devices cpu x4"
-    magics = next(m for m in ip.configurables if type(m).__name__ == "DistributedMagics")
+    magics = current_magics(ip)
     yield magics
     processes = magics.cluster.processes() if magics.cluster else []
     with capture_output():
