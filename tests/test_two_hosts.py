@@ -72,7 +72,7 @@ def test_two_network_stacks_joined_by_ssh_and_tcp():
         finally:
             server.kill()
             server.wait()
-        assert hosts.leftovers() == {hosts.ns_a: [], hosts.ns_b: []}
+        assert hosts.leftovers(settle=5) == {hosts.ns_a: [], hosts.ns_b: []}
     assert hosts.killed_at_exit == []
     assert_all_gone(hosts)
 
@@ -110,7 +110,7 @@ def test_ranks_on_two_hosts_through_the_ssh_launcher():
         )
         assert inner.returncode == 0, inner.stdout[-6000:] + inner.stderr[-3000:]
         assert "skipped" not in inner.stdout.splitlines()[-1]
-        left = {ns: [(p.pid, p.cmdline()) for p in ps] for ns, ps in hosts.leftovers().items()}
+        left = {ns: [(p.pid, p.cmdline()) for p in ps] for ns, ps in hosts.leftovers(settle=5).items()}
         assert left == {hosts.ns_a: [], hosts.ns_b: []}
     assert hosts.killed_at_exit == []
     assert_all_gone(hosts)

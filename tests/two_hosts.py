@@ -168,9 +168,18 @@ class TwoHosts:
                 continue  # vanished, or a zombie whose namespace links are gone
         return found
 
-    def leftovers(self) -> dict[str, list[psutil.Process]]:
-        """Processes in each namespace other than sshd itself."""
+    def leftovers(self, settle: float = 0.0) -> dict[str, list[psutil.Process]]:
+        """Processes in each namespace other than the sshds themselves. With ``settle``, those found
+        first get up to that many seconds to exit (an ssh session ends just after its client)."""
         daemons = {daemon.pid for daemon in (self.sshd, self.sshd_a) if daemon is not None}
+        found = {ns: [p for p in self.processes_in(ns) if p.pid not in daemons] for ns in self._namespaces}
+        deadline = time.monotonic() + settle
+        left = [p for ps in found.values() for p in ps]
+        while left and time.monotonic() < deadline:
+            time.sleep(0.05)  # not this process's children: nothing to wait on but their state
+            left = [p for p in left if _alive(p)]
+        if settle <= 0:
+            return found
         return {ns: [p for p in self.processes_in(ns) if p.pid not in daemons] for ns in self._namespaces}
 
     # -- lifetime ---------------------------------------------------------------------------
@@ -331,12 +340,7 @@ Host {HOST_A} {HOST_B}
     def _kill_leftovers(self) -> None:
         """Whatever is still in the namespaces can only be this test's (sshd's sessions, processes
         a test started there): give it ``exit_grace`` to finish, then SIGKILL it by PID."""
-        deadline = time.monotonic() + self.exit_grace
-        left = [p for ps in self.leftovers().values() for p in ps]
-        while left and time.monotonic() < deadline:
-            time.sleep(0.05)
-            left = [p for p in left if _alive(p)]
-        left = [p for ps in self.leftovers().values() for p in ps]
+        left = [p for ps in self.leftovers(settle=self.exit_grace).values() for p in ps]
         for process in left:
             self.killed_at_exit.append(_describe(process))
             with contextlib.suppress(psutil.NoSuchProcess):
