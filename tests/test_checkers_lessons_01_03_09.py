@@ -1,0 +1,132 @@
+"""Lessons 01, 03 and 09: each exercise checker fails an obvious wrong answer on every rank and passes the
+lesson's reference solution on every rank (the same method as tests/test_checkers.py, whose helpers run the
+lesson's own cells, found by their text). Lessons 01 and 03 run on 4 ranks, as in the lessons; 09 on 2.
+"""
+
+from __future__ import annotations
+
+from tests.conftest import running_cluster
+from tests.test_checkers import assert_checker, check, lesson_cell, on_ranks
+
+# lesson 01: the even ranks, rank arithmetic, re-forming the world
+
+LESSON_01_WRONG = {
+    1: """
+evens = dist.new_group(list(range(0, world_size, 2)))
+
+
+def sum_on_evens(x):
+    total = x.clone()
+    dist.all_reduce(total)  # over every rank, and odd ranks get a tensor instead of None
+    return total
+""",
+    2: """
+def global_rank(node_rank, local_rank, nproc_per_node):
+    return local_rank * nproc_per_node + node_rank  # node and local rank swapped
+
+
+def node_and_local(rank, nproc_per_node):
+    return tuple(reversed(divmod(rank, nproc_per_node)))
+""",
+    3: """
+def reform(init_method):
+    t = torch.tensor([rank + 1.0], device=device)
+    dist.all_reduce(t)  # the right sum, on the old group: nothing was re-formed
+    return t.item()
+""",
+}
+
+
+def test_01_checkers_fail_wrong_answers_and_pass_the_reference(ip):
+    with running_cluster(ip, 4):
+        on_ranks(ip, "import os")
+        on_ranks(ip, lesson_cell("01_process_groups", "def free_port("))  # also re-forms the group on tcp://
+        for exercise, wrong in LESSON_01_WRONG.items():
+            assert_checker(ip, "01_process_groups", exercise, wrong, 4)
+
+
+# lesson 03: one all_reduce for mean and std, all-gather from broadcasts only, argmax's smallest owner
+
+LESSON_03_WRONG = {
+    (1, "two all_reduce calls"): """
+def global_mean_std(x):
+    sums = torch.stack([x.sum(), torch.tensor(float(x.numel()), dtype=x.dtype, device=x.device)])
+    dist.all_reduce(sums)
+    mean = (sums[0] / sums[1]).item()
+    squares = ((x - mean) ** 2).sum().reshape(1)
+    dist.all_reduce(squares)  # a second collective: right values, not what was asked
+    return mean, (squares.item() / sums[1].item()) ** 0.5
+""",
+    (1, "no communication"): """
+def global_mean_std(x):
+    return x.mean().item(), x.std(correction=0).item()  # this rank's values only
+""",
+    (2, "built-in all_gather"): """
+def all_gather_by_broadcast(tensor_list, tensor):
+    dist.all_gather(tensor_list, tensor)
+""",
+    (3, "the largest owner on ties"): """
+def global_argmax(x):
+    best = x.max().reshape(1).clone()
+    dist.all_reduce(best, op=dist.ReduceOp.MAX)
+    owner = torch.tensor([rank if x.max() == best[0] else -1], device=x.device)
+    dist.all_reduce(owner, op=dist.ReduceOp.MAX)  # MAX picks the largest rank holding it
+    return best.item(), int(owner.item())
+""",
+}
+
+
+def test_03_checkers_fail_wrong_answers_and_pass_the_reference(ip):
+    with running_cluster(ip, 4):
+        for (exercise, name), wrong in LESSON_03_WRONG.items():
+            assert set(check(ip, "03_collectives", exercise, wrong, 4).values()) == {"fail"}, name
+        for exercise in (1, 2, 3):
+            reference = lesson_cell("03_collectives", f"# Reference solution to exercise {exercise}")
+            assert set(check(ip, "03_collectives", exercise, reference, 4).values()) == {"pass"}, exercise
+
+
+# lesson 09: the cut moved inside DDP, the split checkpoint loaded on one device
+
+LESSON_09_WRONG = {
+    (1, "not wrapped in DDP"): """
+class CutAfterFirstLayer(nn.Module):
+    def __init__(self, dev0, dev1):
+        super().__init__()
+        self.dev0, self.dev1 = dev0, dev1
+        self.first = nn.Linear(3, 8).to(dev0)
+        self.rest = nn.Sequential(nn.Tanh(), nn.Linear(8, 1)).to(dev1)
+
+    def forward(self, x):
+        return self.rest(self.first(x.to(self.dev0)).to(self.dev1))
+
+
+def make_split_ddp(dev0, dev1):
+    torch.manual_seed(0)
+    return CutAfterFirstLayer(dev0, dev1)
+""",
+    (1, "no seed: other weights"): """
+def make_split_ddp(dev0, dev1):
+    return DDP(CutAfterFirstLayer(dev0, dev1))  # CutAfterFirstLayer from the previous wrong answer
+""",
+    (2, "a fresh model, nothing loaded"): """
+single_ex2 = TwoDeviceMLP(device, device)
+""",
+}
+
+
+def test_09_checkers_fail_wrong_answers_and_pass_the_reference(ip):
+    lesson = "09_ddp_model_parallel"
+    setup = (
+        "n_gpus = torch.cuda.device_count()",
+        "class TwoDeviceMLP(",
+        "ddp_split = DDP(split)",
+        "X_all = torch.randn(16, 3",
+    )
+    with running_cluster(ip, 2):
+        for text in setup:
+            on_ranks(ip, lesson_cell(lesson, text))
+        for (exercise, name), wrong in LESSON_09_WRONG.items():
+            assert set(check(ip, lesson, exercise, wrong, 2).values()) == {"fail"}, name
+        for exercise in (1, 2):
+            reference = lesson_cell(lesson, f"# Reference solution to exercise {exercise}")
+            assert set(check(ip, lesson, exercise, reference, 2).values()) == {"pass"}, exercise
