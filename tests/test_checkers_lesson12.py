@@ -29,7 +29,9 @@ def lesson_ranks(ip, tmp_path_factory):
 # exercise 1: the job must take the same steps on every rank, on the given group
 
 TRAIN_WRONG = {
-    "the broken job as given (rank 0 hangs in its third all_reduce)": lesson_cell(LESSON, "The job to diagnose"),
+    "the broken job as given (rank 0 hangs in its third all_reduce)": lesson_cell(
+        LESSON, "The job to diagnose"
+    ),
     "no communication at all (no hang, ranks drift apart)": """
 from torch import nn
 
