@@ -156,7 +156,8 @@ def _box_text(step: Step, rank: int, row: str) -> str:
     event = step.events.get(rank)
     lines = [f"rank {rank}"]
     if event is None:
-        lines.append("never called" if row == "before" else "")
+        missing = "died, calls\nunknown" if rank in step.lost else "never called"
+        lines.append(missing if row == "before" else "")
         return "\n".join(lines)
     if row == "before":
         values = event.before

@@ -449,7 +449,7 @@ class DistributedMagics(Magics):
                 events[rank] = []
             else:
                 events[rank] = run.published(rank, TRACE_KEY, wait=TRACE_ARRIVAL_SECONDS) or []
-        return Trace(events, complete=not (pending or dead))
+        return Trace(events, complete=not (pending or dead), lost=frozenset(dead))
 
     def _show_diagram(self, trace: Trace) -> None:
         if not trace.steps:

@@ -40,6 +40,7 @@ class Step:
     column: int = 0  # the earliest column of its events
     columns: dict[int, int] = field(default_factory=dict)  # rank -> column of its event (time order)
     waited: Step | None = None  # for waits: the step whose handles they waited on
+    lost: frozenset[int] = frozenset()  # ranks of the trace whose calls never arrived (they died)
 
     @property
     def ranks(self) -> list[int]:
@@ -104,9 +105,14 @@ class Step:
                     flow += " -> " + format_values(event.after)
                 line = f"{_role(self, event)}{flow}{_status_note(event)}"
             ranks_by_line.setdefault(line, []).append(rank)
-        if self.missing:
-            ranks_by_line.setdefault("never called it", []).extend(self.missing)
+        for rank in self.missing:
+            ranks_by_line.setdefault(missing_text(rank in self.lost), []).append(rank)
         return [f"{rank_label(ranks)}: {line}" for line, ranks in ranks_by_line.items()]
+
+
+def missing_text(lost: bool) -> str:
+    """What a step says of a rank of its group that has no call in it."""
+    return "died before its calls were reported" if lost else "never called it"
 
 
 def _collective_title(step: Step) -> str:
@@ -166,17 +172,20 @@ class Trace:
     """The merged trace of one cell: every rank's calls, matched into steps, with mismatches.
 
     ``complete`` is False when some ranks had not finished the cell (the trace holds what they
-    had recorded so far).
+    had recorded so far). ``lost`` ranks died before their calls reached the notebook: what
+    they called is unknown, so no mismatch blames them.
     """
 
     events: dict[int, list[TraceEvent]]
     complete: bool = True
+    lost: frozenset[int] = frozenset()
     steps: list[Step] = field(init=False)
     mismatches: list[Mismatch] = field(init=False)
 
     def __post_init__(self) -> None:
         self.events = {rank: list(events) for rank, events in sorted(self.events.items())}
-        self.steps, self.mismatches = match(self.events)
+        self.lost = frozenset(self.lost)
+        self.steps, self.mismatches = match(self.events, self.lost)
 
     @property
     def ranks(self) -> list[int]:
@@ -195,6 +204,8 @@ class Trace:
             f"Trace of {rank_label(self.ranks)}: {plural(self.calls(), 'call')} in "
             f"{plural(len(self.steps), 'step')}" + ("" if self.complete else " (cell not finished)")
         ]
+        if self.lost:
+            lines.append(f"{rank_label(sorted(self.lost))} died: its calls are unknown")
         for number, step in enumerate(self.steps[:max_steps], 1):
             lines.append(f"{number:>3}. {step.title()}")
             lines.extend(f"       {line}" for line in step.lines())
@@ -220,11 +231,16 @@ class Trace:
         return diagrams.draw_trace(self, step=step, timeline=timeline)
 
 
-def match(events: dict[int, list[TraceEvent]]) -> tuple[list[Step], list[Mismatch]]:
-    """Pair sends with recvs, line up collectives, find mismatches and order the steps."""
+def match(
+    events: dict[int, list[TraceEvent]], lost: frozenset[int] = frozenset()
+) -> tuple[list[Step], list[Mismatch]]:
+    """Pair sends with recvs, line up collectives, find mismatches and order the steps.
+
+    ``lost`` ranks' calls never arrived: they are never reported as missing a call.
+    """
     steps: list[Step] = []
     mismatches: list[Mismatch] = []
-    _match_collectives(events, steps, mismatches)
+    _match_collectives(events, steps, mismatches, lost)
     _match_transfers(events, steps, mismatches)
     step_of = {(rank, event.seq): step for step in steps for rank, event in step.events.items()}
     waits: dict[int, Step] = {}  # one wait step per step whose handles were waited on
@@ -243,7 +259,7 @@ def match(events: dict[int, list[TraceEvent]]) -> tuple[list[Step], list[Mismatc
     return _in_time_order(events, steps), mismatches
 
 
-def _match_collectives(events, steps: list[Step], mismatches: list[Mismatch]) -> None:
+def _match_collectives(events, steps: list[Step], mismatches: list[Mismatch], lost: frozenset[int]) -> None:
     by_group: dict[str, dict[int, list[TraceEvent]]] = {}
     groups: dict[str, tuple[int, ...]] = {}
     for rank, rank_events in events.items():
@@ -255,9 +271,9 @@ def _match_collectives(events, steps: list[Step], mismatches: list[Mismatch]) ->
         group = groups[name]
         for index in range(max(len(calls) for calls in per_rank.values())):
             step_events = {rank: calls[index] for rank, calls in per_rank.items() if index < len(calls)}
-            step = Step(COLLECTIVE, step_events, group=group, index=index + 1)
+            step = Step(COLLECTIVE, step_events, group=group, index=index + 1, lost=lost)
             steps.append(step)
-            mismatches.extend(_collective_mismatches(step, traced=set(events)))
+            mismatches.extend(_collective_mismatches(step, traced=set(events) - lost))
 
 
 def _collective_mismatches(step: Step, traced: set[int]) -> list[Mismatch]:

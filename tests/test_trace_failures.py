@@ -129,3 +129,20 @@ def test_trace_name_must_be_an_identifier(ip, healthy):
     _, error = run_cell(ip, "--trace 1st", "x = 1")
     assert type(error).__name__ == "UsageError"
     assert str(error) == "--trace '1st': expected a variable name"
+
+
+def test_a_rank_that_died_is_not_said_to_have_skipped_a_call(ip, healthy):
+    """Its calls died with it: the trace says it died, and no mismatch blames it."""
+    _, error = run_cell(
+        ip,
+        "--timeout 5 --diagram --trace tr",
+        "import os\nt = torch.ones(2)\nif rank == 1:\n    os._exit(1)\ndist.all_reduce(t)",
+    )
+    assert isinstance(error, DistributedCellError) and error.dead == [1]
+    trace = ip.user_ns["tr"]
+    assert trace.lost == {1} and trace.mismatches == []
+    assert "never called" not in trace.text()
+    assert "rank 1 died: its calls are unknown" in trace.text()
+    (step,) = trace.steps
+    assert "rank 1: died before its calls were reported" in step.lines()
+    assert "Mismatch" not in "\n".join(error._render_traceback_())
