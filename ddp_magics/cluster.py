@@ -283,11 +283,14 @@ class RankCluster:
         progress("starting the controller" + (" while torch is imported, once" if forked else ""))
         self._cluster.start_controller_sync()
         if forked:
-            try:
-                self._zygote.wait_ready(self.engine_timeout)
-            except ZygoteError as error:
-                raise ClusterError(str(error)) from None
+            self._wait_for_zygote()
         self._launch_engines(progress)
+
+    def _wait_for_zygote(self) -> None:
+        try:
+            self._zygote.wait_ready(self.engine_timeout)
+        except ZygoteError as error:
+            raise ClusterError(str(error)) from None
 
     def _engine_set_launcher(self):
         """ipyparallel's engine set launcher: a class, or ipyparallel's name for one."""
@@ -414,7 +417,7 @@ class RankCluster:
     def restart(self, progress: Progress | None = None) -> None:
         """Kill the engines (a rank stuck in gloo included) and start new ones that form a new
         process group; the controller stays (and the zygote, so no local engine imports torch
-        again)."""
+        again, unless the notebook's environment changed since the zygote imported it)."""
         progress = progress or (lambda message: None)
         if not self.restartable_in_place:
             raise ClusterError("this cluster cannot restart its engines in place")
@@ -428,6 +431,10 @@ class RankCluster:
             _wait_for_exit(old_engines)
             self.ranks = []
             self._views = {}
+            if self._zygote is not None and self._zygote.environment_changed():
+                progress("the notebook's environment changed: importing torch again in it")
+                self._zygote = self._zygote.replacement()
+                self._wait_for_zygote()
             self._launch_engines(progress)
             self._form_process_group(progress)
         except BaseException:

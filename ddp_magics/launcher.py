@@ -35,6 +35,14 @@ from ddp_magics.lifetime import CLUSTER_DIR_ENV
 ZYGOTE_LOG = "zygote.log"
 
 
+# Variables of torch and the libraries it loads; some are read once, on import (TORCH_DISTRIBUTED_DEBUG).
+IMPORT_TIME_PREFIXES = ("TORCH", "PYTORCH", "NCCL_", "GLOO_", "CUDA_", "OMP_", "MKL_", "KMP_")
+
+
+def _import_time_settings() -> dict[str, str]:
+    return {name: value for name, value in os.environ.items() if name.startswith(IMPORT_TIME_PREFIXES)}
+
+
 class ZygoteError(RuntimeError):
     """The zygote did not start (its log says why)."""
 
@@ -44,6 +52,8 @@ class Zygote:
     controller's start-up."""
 
     def __init__(self, cluster_dir: Path, environment: dict[str, str]) -> None:
+        self.cluster_dir, self.environment = cluster_dir, environment
+        self.imported_with = _import_time_settings()
         self.log_path = cluster_dir / ZYGOTE_LOG
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
@@ -78,9 +88,19 @@ class Zygote:
                 self.process.kill()
                 self.process.wait()
         self.process.stdout.close()
+        (self.cluster_dir / SOCKET_NAME).unlink(missing_ok=True)
 
     def alive(self) -> bool:
         return self.process.poll() is None
+
+    def environment_changed(self) -> bool:
+        """Whether the notebook's settings for torch differ from those the zygote imported it with."""
+        return _import_time_settings() != self.imported_with
+
+    def replacement(self) -> Zygote:
+        """A new zygote for the same cluster, in the notebook's environment of now (this one stopped)."""
+        self.stop()
+        return Zygote(self.cluster_dir, self.environment)
 
 
 class ZygoteEngineLauncher(LocalEngineLauncher):

@@ -170,6 +170,25 @@ def test_restart_after_a_hang_forks_fresh_ranks_from_the_same_zygote(ip, healthy
     assert shown_text(captured) == "[ranks 0,1]\n3.0"
 
 
+def test_restart_after_the_notebook_environment_changed_imports_torch_in_the_new_one(ip, healthy):
+    """torch reads TORCH_DISTRIBUTED_DEBUG once, on import: the new ranks need a new zygote."""
+    level = "print(dist.get_debug_level())"
+    assert shown_text(run_cell(ip, "", level)[0]) == "[ranks 0,1]\nDebugLevel.OFF"
+    old_zygote = _parent_of_the_ranks(healthy.cluster)
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    try:
+        with capture_output() as captured:
+            ip.run_line_magic("dist_restart", "")
+        assert captured.stdout.strip() == "2 ranks ready: backend gloo, world size 2, devices cpu x2"
+        assert_gone([old_zygote], timeout=0.5)
+        assert shown_text(run_cell(ip, "", level)[0]) == "[ranks 0,1]\nDebugLevel.DETAIL"
+    finally:
+        del os.environ["TORCH_DISTRIBUTED_DEBUG"]
+        with capture_output():
+            ip.run_line_magic("dist_restart", "")
+    assert shown_text(run_cell(ip, "", level)[0]) == "[ranks 0,1]\nDebugLevel.OFF"
+
+
 def _parent_of_the_ranks(cluster) -> psutil.Process:
     (parent,) = {psutil.Process(info.pid).parent() for info in cluster.ranks}
     return parent
