@@ -147,7 +147,9 @@ def test_remote_rank_raising_while_the_others_wait_in_all_reduce(ip, healthy, ma
 def test_kill_9_of_a_remote_engine(ip, healthy):
     victim = healthy.cluster.ranks[3]
     assert victim.address == HOST_B
+    engine = psutil.Process(victim.pid)
     os.kill(victim.pid, signal.SIGKILL)  # one PID namespace: the test can reach host b's processes
+    assert_gone([engine], timeout=5)  # SIGKILL is delivered asynchronously: the cell must find it dead
     _, error = run_cell(ip, "", "print('hello')")
     assert isinstance(error, UsageError) and "rank 3 died" in str(error)
     assert [row[-1] for row in ip.run_line_magic("dist_status", "").rows] == ["alive"] * 3 + ["dead"]
