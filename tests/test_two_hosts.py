@@ -82,7 +82,7 @@ def test_exit_kills_what_a_test_left_in_the_namespaces():
         sleeper = subprocess.Popen(hosts.in_a(["sleep", "60"]))
         detached = hosts.ssh_b("setsid sleep 61 </dev/null >/dev/null 2>&1 & echo $!")
         assert detached.returncode == 0, detached.stderr
-        left = hosts.leftovers()
+        left = hosts.leftovers(settle=1.0)  # the ssh session ends just after its client
         assert [p.pid for p in left[hosts.ns_a]] == [sleeper.pid]
         assert [p.pid for p in left[hosts.ns_b]] == [int(detached.stdout)]
     killed = sorted(cmdline for _, cmdline in hosts.killed_at_exit)
