@@ -106,13 +106,9 @@ class Step:
                 line = f"{_role(self, event)}{flow}{_status_note(event)}"
             ranks_by_line.setdefault(line, []).append(rank)
         for rank in self.missing:
-            ranks_by_line.setdefault(missing_text(rank in self.lost), []).append(rank)
+            line = "died before its calls were reported" if rank in self.lost else "never called it"
+            ranks_by_line.setdefault(line, []).append(rank)
         return [f"{rank_label(ranks)}: {line}" for line, ranks in ranks_by_line.items()]
-
-
-def missing_text(lost: bool) -> str:
-    """What a step says of a rank of its group that has no call in it."""
-    return "died before its calls were reported" if lost else "never called it"
 
 
 def _collective_title(step: Step) -> str:
