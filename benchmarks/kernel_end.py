@@ -33,7 +33,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
 from jupyter_client.manager import start_new_kernel
 
-from ddp_magics.cluster import CLUSTERS_ROOT
+from ddp_magics.cluster import clusters_root
 from ddp_magics.lifetime import is_running
 
 TARGET_SECONDS = 2.0
@@ -92,7 +92,7 @@ def leftovers() -> dict[str, int]:
     return {
         "child processes": len([p for p in me.children(recursive=True) if is_running(p)]),
         "open fds": me.num_fds(),
-        "cluster dirs": len(list(CLUSTERS_ROOT.glob("cluster-*"))) if CLUSTERS_ROOT.exists() else 0,
+        "cluster dirs": len(list(clusters_root().glob("cluster-*"))),
     }
 
 

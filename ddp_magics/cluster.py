@@ -7,6 +7,7 @@ raised as the exceptions defined below.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -43,14 +44,15 @@ from ddp_magics.lifetime import (
     wait_for_exit,
 )
 from ddp_magics.output import RankOutput
+from ddp_magics.private_files import UnsafeDirectory, private_root, write_atomically
 
 BACKENDS = ("auto", "gloo", "nccl")
 # ipyparallel's names for its engine launchers that ddp_magics knows how to set up.
 LAUNCHERS = ("local", "ssh", "mpi", "slurm")
 # How long checking that a host answers over ssh may take.
 SSH_CHECK_SECONDS = 15
-CLUSTERS_ROOT = Path(tempfile.gettempdir()) / f"ddp_magics-{os.getuid()}"
-OWNER_FILE = "owner"  # the kernel that started the cluster (lifetime.Owner)
+CLUSTERS_ROOT_NAME = f"ddp_magics-{os.geteuid()}"  # under the temp directory, private to this user
+OWNER_FILE = "owner"  # the kernel that started the cluster (lifetime.Owner), and its host's name
 # A cluster directory without its owner file is being made, or being removed, for this long at most.
 HALF_MADE_SECONDS = 60
 LOCAL_HOST = "127.0.0.1"
@@ -235,7 +237,10 @@ class RankCluster:
         progress = progress or (lambda message: None)
         if self.running:
             raise ClusterError("this cluster is already running")
-        self.workdir = Path(tempfile.mkdtemp(prefix="cluster-", dir=_clusters_root()))
+        try:
+            self.workdir = Path(tempfile.mkdtemp(prefix="cluster-", dir=clusters_root()))
+        except UnsafeDirectory as error:
+            raise ClusterError(str(error)) from None
         _write_owner(self.workdir)
         try:
             self._start_engines(progress)
@@ -260,7 +265,7 @@ class RankCluster:
         forked = self.engine_launcher == "local"
         if not forked:  # engines on other hosts cannot watch the kernel's PID: a lifeline instead
             self._lifeline = Lifeline(self._controller_address)
-            environment[LIFELINE_ENV] = self._lifeline.address
+            environment[LIFELINE_ENV] = self._lifeline.environment_value
         config = self._launcher_config(environment)
         if forked:  # its import of torch runs while the controller starts
             self._zygote = Zygote(self.workdir, environment)
@@ -479,7 +484,7 @@ class RankCluster:
                 local_rank=info.local_rank,
                 world_size=self.n,
                 master_addr=master_addr,
-                master_port=probes[0].free_port,
+                master_port=0,
                 backend=self.backend,
                 device=info.device,
                 timeout_s=self.pg_timeout,
@@ -492,7 +497,8 @@ class RankCluster:
         ]
         rank0 = self._client[self.ranks[0].engine_id]
         opening = rank0.apply_async(rank_code.open_rendezvous, setups[0])
-        self._within_timeout(opening, "opening rank 0's store")
+        port = self._within_timeout(opening, "opening rank 0's store")
+        setups = [dataclasses.replace(setup, master_port=port) for setup in setups]
         pending = [
             self._client[info.engine_id].apply_async(rank_code.setup_rank, setup)
             for info, setup in zip(self.ranks, setups)
@@ -637,25 +643,33 @@ class RankCluster:
 
 
 # ------------------------------------------------------------------ stray clusters
-def _clusters_root() -> Path:
-    CLUSTERS_ROOT.mkdir(mode=0o700, exist_ok=True)
-    return CLUSTERS_ROOT
+def clusters_root() -> Path:
+    """The directory of this user's clusters; UnsafeDirectory if it is not private to this user."""
+    return private_root(CLUSTERS_ROOT_NAME)
 
 
 def _write_owner(workdir: Path) -> None:
-    (workdir / OWNER_FILE).write_text(str(Owner.this_process()))
+    write_atomically(workdir / OWNER_FILE, f"{Owner.this_process()}\n{_this_host()}\n")
 
 
 def stop_stray_clusters() -> list[str]:
     """Remove the clusters whose owning kernel is gone.
 
     Their processes normally ended with their owner (see :mod:`ddp_magics.lifetime`); any
-    still running (started by an older version, or stuck) are stopped by PID. Returns one
-    line per cluster that needed more than removing its files: what was stopped, or why it
-    could not be cleaned up. Never raises for one cluster's sake.
+    still running (started by an older version, or stuck) are stopped by PID. A cluster of a
+    kernel on another machine (a temp directory shared over the network) is left alone.
+    Returns one line per cluster that needed more than removing its files: what was stopped,
+    or why it could not be cleaned up. Never raises; a clusters' directory that is not this
+    user's own holds nothing of this user's to clean (and :meth:`RankCluster.start` refuses it).
     """
+    try:
+        root = clusters_root()
+    except UnsafeDirectory:
+        return []
     reports = []
-    for workdir in sorted(_clusters_root().glob("cluster-*")):
+    for workdir in sorted(root.glob("cluster-*")):
+        if workdir.is_symlink() or not workdir.is_dir():
+            continue  # never made by ddp_magics, which makes directories only
         try:
             reports.extend(_remove_if_orphaned(workdir))
         except OSError as error:
@@ -665,15 +679,19 @@ def stop_stray_clusters() -> list[str]:
 
 def _remove_if_orphaned(workdir: Path) -> list[str]:
     try:
-        owner = Owner.parse((workdir / OWNER_FILE).read_text())
+        owner_line, _, host = (workdir / OWNER_FILE).read_text().partition("\n")
+        owner = Owner.parse(owner_line)
     except FileNotFoundError:
         if time.time() - workdir.stat().st_mtime < HALF_MADE_SECONDS:
             return []  # being created by another kernel right now, or being removed by its controller
         owner = None  # its removal was cut short
     except ValueError:
         owner = None  # written by an older version of ddp_magics
-    if owner is not None and owner.alive():
-        return []
+    if owner is not None:
+        if not owner.on_this_machine and host.strip() != _this_host():
+            return []  # another machine's kernel, which alone can tell whether it still runs
+        if owner.alive():
+            return []
     reports = []
     processes = cluster_processes(workdir)
     if processes:

@@ -37,10 +37,16 @@ ZYGOTE_LOG = "zygote.log"
 
 # Variables of torch and the libraries it loads; some are read once, on import (TORCH_DISTRIBUTED_DEBUG).
 IMPORT_TIME_PREFIXES = ("TORCH", "PYTORCH", "NCCL_", "GLOO_", "CUDA_", "OMP_", "MKL_", "KMP_")
+# Read as a process starts: where Python finds modules and the loader finds libraries.
+PROCESS_START_VARIABLES = ("PYTHONPATH", "PYTHONHOME", "PYTHONSAFEPATH", "LD_LIBRARY_PATH", "LD_PRELOAD")
 
 
 def _import_time_settings() -> dict[str, str]:
-    return {name: value for name, value in os.environ.items() if name.startswith(IMPORT_TIME_PREFIXES)}
+    return {
+        name: value
+        for name, value in os.environ.items()
+        if name.startswith(IMPORT_TIME_PREFIXES) or name in PROCESS_START_VARIABLES
+    }
 
 
 class ZygoteError(RuntimeError):

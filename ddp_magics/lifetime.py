@@ -15,8 +15,12 @@ This module runs on both sides and imports neither ipyparallel nor notebook code
 from __future__ import annotations
 
 import contextlib
+import errno
+import hmac
 import json
+import logging
 import os
+import secrets
 import select
 import selectors
 import shutil
@@ -40,37 +44,52 @@ POLL_SECONDS = 0.2
 OWNER_GONE_EXIT_CODE = 3
 RECORDED_PIDS_FILE = "processes"  # PIDs of the cluster's processes ipyparallel does not list
 EXIT_POLL_SECONDS = 0.02
+# A lifeline client must send the secret within this time.
+AUTH_SECONDS = 10.0
+ACCEPT_BACKOFF_SECONDS = 0.1
+# A lifeline's ends notice the other's host gone after about this long (idle, then probes).
+KEEPALIVE_SECONDS = 30
+KEEPALIVE_IDLE_SECONDS = 10
+KEEPALIVE_INTERVAL_SECONDS = 5
+KEEPALIVE_PROBES = 4
+LIFELINE_LOG = logging.getLogger("ddp_magics.lifeline")
 
 
 @dataclass(frozen=True)
 class Owner:
     """A process, told apart from a later one that reuses its PID by its start time, on the
-    machine with this boot id (PIDs name processes of one machine only)."""
+    machine with this boot id (PIDs name processes of one machine only).
+
+    The start time is the kernel's count of clock ticks from boot to the process's start
+    (``/proc/PID/stat``, field 22): unlike a wall-clock create time, it stays the same when
+    the clock is stepped (NTP, a suspended laptop, a changed date).
+    """
 
     pid: int
-    create_time: float
+    start_ticks: int
     boot_id: str
 
     @classmethod
     def this_process(cls) -> Owner:
-        me = psutil.Process()
-        return cls(me.pid, me.create_time(), machine_boot_id())
+        pid = os.getpid()
+        return cls(pid, start_ticks(pid), machine_boot_id())
 
     @classmethod
     def parse(cls, text: str) -> Owner:
         """The inverse of :meth:`__str__`; ValueError if ``text`` is not one."""
-        pid, create_time, boot_id = text.split(":", 2)
-        return cls(int(pid), float(create_time), boot_id)
+        pid, ticks, boot_id = text.strip().split(":", 2)
+        return cls(int(pid), int(ticks), boot_id)
 
     def __str__(self) -> str:
-        return f"{self.pid}:{self.create_time!r}:{self.boot_id}"
+        return f"{self.pid}:{self.start_ticks}:{self.boot_id}"
 
     @property
     def on_this_machine(self) -> bool:
         return self.boot_id == machine_boot_id()
 
     def alive(self) -> bool:
-        return process_alive(self.pid, self.create_time)
+        """Whether the owner still runs (on another machine this cannot be known: False)."""
+        return self.on_this_machine and process_alive(self.pid, self.start_ticks)
 
     def pidfd(self) -> int | None:
         """A file descriptor that becomes readable when the owner exits (at once if it already
@@ -108,13 +127,25 @@ def machine_boot_id() -> str:
         return socket.gethostname()
 
 
-def process_alive(pid: int, create_time: float | None = None) -> bool:
+def start_ticks(pid: int) -> int:
+    """Clock ticks from boot to the start of process ``pid`` (/proc/PID/stat, field 22);
+    ProcessLookupError if there is no such process."""
     try:
-        process = psutil.Process(pid)
-        if create_time is not None and abs(process.create_time() - create_time) > 1:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except FileNotFoundError:
+        raise ProcessLookupError(pid) from None
+    # Field 2, the command name in parentheses, may itself hold spaces and parentheses.
+    fields_after_name = stat[stat.rindex(b")") + 2 :].split()
+    return int(fields_after_name[22 - 3])
+
+
+def process_alive(pid: int, started_at_ticks: int | None = None) -> bool:
+    """Whether ``pid`` runs (not a zombie) and, if given, started at ``started_at_ticks``."""
+    try:
+        if started_at_ticks is not None and start_ticks(pid) != started_at_ticks:
             return False  # the PID was reused by another process
-        return process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except (ProcessLookupError, psutil.NoSuchProcess):
         return False
 
 
@@ -122,29 +153,88 @@ class Lifeline:
     """The owner's end of the lifelines: a listening socket that engines on other hosts connect
     to. The operating system closes it and every connection to it when the owner's process ends,
     however it ends (or when :meth:`close` is called). A thread accepts the connections, and
-    closes each one whose engine has gone (so restarts do not fill the queue)."""
+    closes each one whose engine has gone (so restarts do not fill the queue).
 
-    def __init__(self, address: str) -> None:
+    Only the cluster's engines may hold a lifeline: each sends the lifeline's secret first
+    (:attr:`environment_value` carries it to them, as the cluster's key reaches them); a
+    connection that sends anything else, or nothing within ``auth_seconds``, is closed. One
+    client's error, or running out of file descriptors, never stops the thread.
+    """
+
+    def __init__(self, address: str, auth_seconds: float = AUTH_SECONDS) -> None:
+        self._auth_seconds = auth_seconds
         self._server = socket.create_server((address, 0))
         self.address = f"{address}:{self._server.getsockname()[1]}"
+        self._secret = secrets.token_hex(16).encode()
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._server, selectors.EVENT_READ)
         self._closing, self._waker = socket.socketpair()
         self._selector.register(self._closing, selectors.EVENT_READ)
+        self._unauthenticated: dict[socket.socket, tuple[float, bytes]] = {}
         self._thread = threading.Thread(target=self._serve, name="ddp-magics-lifeline", daemon=True)
         self._thread.start()
 
+    @property
+    def environment_value(self) -> str:
+        """``ADDRESS:PORT/SECRET``: what engines find in ``LIFELINE_ENV``."""
+        return f"{self.address}/{self._secret.decode()}"
+
     def _serve(self) -> None:
         while True:
-            for key, _ in self._selector.select():
+            events = self._selector.select(timeout=self._auth_seconds / 4 if self._unauthenticated else None)
+            for key, _ in events:
                 if key.fileobj is self._closing:
                     return
                 if key.fileobj is self._server:
-                    connection, _ = self._server.accept()
-                    self._selector.register(connection, selectors.EVENT_READ)
-                else:  # engines send nothing: readable means that engine's end has closed
-                    self._selector.unregister(key.fileobj)
-                    key.fileobj.close()
+                    self._accept()
+                else:
+                    self._read(key.fileobj)
+            self._drop_silent_clients()
+
+    def _accept(self) -> None:
+        try:
+            connection, _ = self._server.accept()
+        except OSError as error:  # EMFILE, ENFILE, ECONNABORTED, ...: this one connection is lost
+            LIFELINE_LOG.warning("lifeline: could not accept a connection: %s", error)
+            if error.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                time.sleep(ACCEPT_BACKOFF_SECONDS)  # the backlog waits; do not spin on it
+            return
+        keep_alive(connection)
+        connection.setblocking(False)
+        self._unauthenticated[connection] = (time.monotonic() + self._auth_seconds, b"")
+        self._selector.register(connection, selectors.EVENT_READ)
+
+    def _read(self, connection: socket.socket) -> None:
+        try:
+            data = connection.recv(len(self._secret) + 1)
+        except OSError:  # ECONNRESET: that engine's end has gone
+            data = b""
+        if connection not in self._unauthenticated:
+            if not data:  # engines send nothing more: readable means that engine's end has closed
+                self._drop(connection)
+            return
+        deadline, received = self._unauthenticated[connection]
+        received += data
+        line, newline, _ = received.partition(b"\n")
+        if not data or (newline and not hmac.compare_digest(line, self._secret)):
+            self._drop(connection)
+        elif newline:
+            del self._unauthenticated[connection]
+        elif len(received) > len(self._secret):
+            self._drop(connection)
+        else:
+            self._unauthenticated[connection] = (deadline, received)
+
+    def _drop_silent_clients(self) -> None:
+        now = time.monotonic()
+        for connection, (deadline, _) in list(self._unauthenticated.items()):
+            if now > deadline:
+                self._drop(connection)
+
+    def _drop(self, connection: socket.socket) -> None:
+        self._unauthenticated.pop(connection, None)
+        self._selector.unregister(connection)
+        connection.close()
 
     def close(self) -> None:
         self._waker.send(b"x")
@@ -153,6 +243,20 @@ class Lifeline:
             key.fileobj.close()
         self._selector.close()
         self._waker.close()
+
+
+def keep_alive(connection: socket.socket) -> None:
+    """TCP keepalive on an idle connection, so that either end learns within about
+    ``KEEPALIVE_SECONDS`` that the other's host has gone (Linux's default: over 2 hours)."""
+    connection.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (
+        ("TCP_KEEPIDLE", KEEPALIVE_IDLE_SECONDS),
+        ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_SECONDS),
+        ("TCP_KEEPCNT", KEEPALIVE_PROBES),
+        ("TCP_USER_TIMEOUT", KEEPALIVE_SECONDS * 1000),
+    ):
+        if hasattr(socket, option):  # Linux names; other systems keep their defaults
+            connection.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
 def launch_environment(cluster_dir: Path) -> dict[str, str]:
@@ -190,21 +294,24 @@ def _watch_in_thread(wait: Callable[[], None], owner: Owner, cluster_dir: Path |
 def _lifeline_waiter(lifeline: str) -> Callable[[], None]:
     """Connect to the owner's :class:`Lifeline` now; the returned function blocks until that
     connection ends. If it cannot connect, this process cannot watch the owner: say so."""
-    address, _, port = lifeline.rpartition(":")
+    endpoint, _, secret = lifeline.partition("/")
+    address, _, port = endpoint.rpartition(":")
     try:
         connection = socket.create_connection((address, int(port)), timeout=10)
+        keep_alive(connection)
+        connection.sendall(secret.encode() + b"\n")
     except OSError as error:
         print(
-            f"ddp_magics: cannot reach the owner's lifeline {lifeline} ({error}); this process "
+            f"ddp_magics: cannot reach the owner's lifeline {endpoint} ({error}); this process "
             "will not notice if the notebook's kernel ends",
             file=sys.stderr,
         )
         return threading.Event().wait  # never set: nothing to watch
     connection.settimeout(None)
-    connection.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
 
     def wait() -> None:
-        # Ends with the connection: closed (b"") or reset (OSError) as the owner's end goes.
+        # Ends with the connection: closed (b"") or reset or timed out (OSError) as the owner's
+        # end or its host goes.
         with contextlib.suppress(OSError):
             while connection.recv(1):
                 pass

@@ -34,7 +34,6 @@ class EngineProbe:
     address: str  # the address its host reaches the controller from: one per host
     pid: int
     gpu_count: int
-    free_port: int  # free on ``address``, for rank 0's rendezvous store
 
 
 @dataclass(frozen=True)
@@ -45,7 +44,7 @@ class RankSetup:
     local_rank: int
     world_size: int
     master_addr: str
-    master_port: int
+    master_port: int  # 0 until rank 0's store listens (engine.rank.open_rendezvous)
     backend: str
     device: str
     timeout_s: float

@@ -17,7 +17,7 @@ import pytest
 from IPython.utils.capture import capture_output
 from jupyter_client.manager import start_new_kernel
 
-from ddp_magics.cluster import CLUSTERS_ROOT, OWNER_FILE, stop_stray_clusters
+from ddp_magics.cluster import OWNER_FILE, clusters_root, stop_stray_clusters
 from ddp_magics.lifetime import (
     CLUSTER_DIR_ENV,
     LIFELINE_ENV,
@@ -27,6 +27,7 @@ from ddp_magics.lifetime import (
     Owner,
     machine_boot_id,
     process_alive,
+    start_ticks,
 )
 from tests.conftest import assert_gone
 
@@ -150,12 +151,12 @@ def _gone_within(path: Path, seconds: float) -> bool:
 
 def _stray_cluster(name: str, cluster_json: str | None) -> Path:
     """A cluster directory as a kernel that died would leave it: its owner is gone."""
-    workdir = CLUSTERS_ROOT / f"cluster-test-{name}"
+    workdir = clusters_root() / f"cluster-test-{name}"
     security = workdir / "profile" / "security"
     security.mkdir(parents=True)
     ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
     gone_pid = int(ended.stdout)
-    (workdir / OWNER_FILE).write_text(str(Owner(gone_pid, 0.0, machine_boot_id())))
+    (workdir / OWNER_FILE).write_text(str(Owner(gone_pid, 0, machine_boot_id())))
     if cluster_json is not None:
         (security / "cluster-1-abcd.json").write_text(cluster_json)
     return workdir
@@ -228,12 +229,12 @@ def test_a_process_of_another_host_ends_when_the_owners_lifeline_closes(tmp_path
     """An engine on another machine cannot watch the kernel's PID (its owner names another boot
     id); it holds a connection to the kernel's lifeline and exits once that closes."""
     lifeline = Lifeline("127.0.0.1")
-    elsewhere = Owner(os.getpid(), psutil.Process().create_time(), "boot-id-of-another-machine")
+    elsewhere = Owner(os.getpid(), start_ticks(os.getpid()), "boot-id-of-another-machine")
     environment = {
         **os.environ,
         OWNER_ENV: str(elsewhere),
         CLUSTER_DIR_ENV: str(tmp_path),
-        LIFELINE_ENV: lifeline.address,
+        LIFELINE_ENV: lifeline.environment_value,
     }
     watcher = subprocess.Popen(
         [sys.executable, "-c", WATCHER], env=environment, stdout=subprocess.PIPE, text=True

@@ -44,19 +44,14 @@ def take_cell_number(lines: list[str]) -> list[str]:
 
 
 def probe_engine(controller_address: str) -> EngineProbe:
-    """This engine's host, GPUs and a free port on the address it reaches the controller from."""
+    """This engine's host, GPUs and the address it reaches the controller from."""
     import torch
 
-    address = address_towards(controller_address)
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((address, 0))
-        free_port = sock.getsockname()[1]
     return EngineProbe(
         host=socket.gethostname(),
-        address=address,
+        address=address_towards(controller_address),
         pid=os.getpid(),
         gpu_count=torch.cuda.device_count(),
-        free_port=free_port,
     )
 
 
@@ -80,9 +75,13 @@ def interface_of(address: str) -> str | None:
     return None
 
 
-def open_rendezvous(setup: RankSetup) -> None:
-    """On rank 0, before any rank joins: start the store the ranks meet at (MASTER_ADDR:MASTER_PORT).
+def open_rendezvous(setup: RankSetup) -> int:
+    """On rank 0, before any rank joins: start the store the ranks meet at, listening on
+    MASTER_ADDR only (127.0.0.1 on one host), on a port the system picks; returns the port.
 
+    The store listens on a socket bound here and handed to it (``master_listen_fd``), so the
+    port is never free between being picked and being listened on (nobody can take it), and
+    TCPStore does not listen on every interface as it does when given a port to bind itself.
     Ranks that connect before it listens back off for about half a second; started first, it
     listens when they come. It is the store ``env://`` would make (``multi_tenant``, so a later
     ``env://`` group on this port in this process shares it), and only the process group keeps
@@ -93,15 +92,19 @@ def open_rendezvous(setup: RankSetup) -> None:
 
     import torch.distributed as dist
 
+    listener = socket.create_server((setup.master_addr, 0), backlog=max(setup.world_size, 128))
+    port = listener.getsockname()[1]
     _rendezvous_server = dist.TCPStore(
         setup.master_addr,
-        setup.master_port,
+        port,
         setup.world_size,
         is_master=True,
         timeout=timedelta(seconds=setup.timeout_s),
         wait_for_workers=False,
         multi_tenant=True,
+        master_listen_fd=listener.detach(),  # the store closes it
     )
+    return port
 
 
 def _rendezvous_store(setup: RankSetup, timeout):
@@ -139,8 +142,11 @@ def setup_rank(setup: RankSetup) -> str:
         MASTER_ADDR=setup.master_addr,
         MASTER_PORT=str(setup.master_port),
     )
-    interface = interface_of(setup.address) if setup.address else None
-    if interface:  # a user's own choice, made before %dist_start, wins
+    # gloo and NCCL listen on the interface of the address the other ranks reach (loopback on
+    # one host), not on whatever the host name resolves to. A user's own choice, made before
+    # %dist_start, wins.
+    interface = interface_of(setup.address or setup.master_addr)
+    if interface:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
         os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
     # Figures made on a rank are sent back as images, like in a notebook kernel.

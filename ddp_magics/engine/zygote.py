@@ -27,6 +27,7 @@ import pickle
 import select
 import signal
 import socket
+import struct
 import sys
 from pathlib import Path
 from typing import BinaryIO
@@ -39,6 +40,7 @@ from ddp_magics.lifetime import (
     exit_with_children,
     record_process,
 )
+from ddp_magics.private_files import unix_address
 
 SOCKET_NAME = "zygote.sock"
 # Set in the engines the zygote forks: where to ask for their nannies.
@@ -58,7 +60,10 @@ ENGINE_MODULES = (
     "ddp_magics.engine.recorder",
 )
 REQUEST_CHUNK = 1 << 16
+MAX_REQUEST_BYTES = 1 << 24  # an engine's whole environment fits many times over
 MAX_FDS = 2
+# A client sends its request as it connects; one that does not is dropped after this long.
+REQUEST_SECONDS = 2.0
 
 
 def fork_engine(socket_path: Path, argv: list[str], env: dict[str, str], cwd: str, output: str) -> int:
@@ -90,7 +95,8 @@ def fork_nanny(socket_path: Path, nanny_arguments: dict) -> tuple[str, BinaryIO]
 def _ask(socket_path: Path, request: dict, fds: list[int]) -> int:
     """Send one request (with file descriptors) to the zygote; returns the forked PID."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
-        connection.connect(str(socket_path))
+        with unix_address(socket_path) as address:
+            connection.connect(address)
         socket.send_fds(connection, [json.dumps(request).encode() + b"\n"], fds)
         reply = connection.makefile().readline()
     if not reply:
@@ -106,7 +112,8 @@ def main() -> None:
     _import_what_engines_import()
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(str(cluster_dir / SOCKET_NAME))  # the cluster's directory is private (0700)
+    with unix_address(cluster_dir / SOCKET_NAME) as address:
+        listener.bind(address)  # the cluster's directory is private (0700)
     listener.listen()
     signal.signal(signal.SIGCHLD, _reap_children)
     owner_gone = owner.pidfd()
@@ -117,9 +124,7 @@ def main() -> None:
         if (owner_gone in readable) if owner_gone is not None else not owner.alive():
             exit_with_children(owner)
         if listener in readable:
-            connection, _ = listener.accept()
-            with connection:
-                _answer(connection, listener)
+            _serve_one(listener)
 
 
 def _import_what_engines_import() -> None:
@@ -127,15 +132,43 @@ def _import_what_engines_import() -> None:
         importlib.import_module(name)
 
 
+def _serve_one(listener: socket.socket) -> None:
+    """Answer one connection; whatever a client does wrong costs that connection only."""
+    try:
+        connection, _ = listener.accept()
+    except OSError as error:  # EMFILE, ECONNABORTED, ...
+        print(f"ddp_magics zygote: could not accept a request: {error}", file=sys.stderr, flush=True)
+        return
+    with connection:
+        connection.settimeout(REQUEST_SECONDS)
+        try:
+            _check_peer(connection)
+            _answer(connection, listener)
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            print(f"ddp_magics zygote: refused a request: {error!r}", file=sys.stderr, flush=True)
+
+
+def _check_peer(connection: socket.socket) -> None:
+    """PermissionError unless the client runs as this user (the socket's directory is private
+    too; this holds should that ever not be so)."""
+    credentials = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _ = struct.unpack("3i", credentials)
+    if uid != os.geteuid():
+        raise PermissionError(f"PID {pid} of uid {uid} is not this cluster's user (uid {os.geteuid()})")
+
+
 def _answer(connection: socket.socket, listener: socket.socket) -> None:
     first, fds, _, _ = socket.recv_fds(connection, REQUEST_CHUNK, MAX_FDS)
-    line = first
-    while not line.endswith(b"\n"):
-        more = connection.recv(REQUEST_CHUNK)
-        if not more:
-            raise ConnectionError("a request to the zygote ended before its newline")
-        line += more
-    request = json.loads(line)
+    try:
+        request = _read_request(connection, first)
+        if not (isinstance(request.get("engine"), dict) or isinstance(request.get("nanny"), str)):
+            raise ValueError(f"not a request for an engine or a nanny: {sorted(request)}")
+        if "nanny" in request and len(fds) != MAX_FDS:
+            raise ValueError(f"a nanny request carries {MAX_FDS} file descriptors, not {len(fds)}")
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
     pid = os.fork()
     if pid == 0:
         try:
@@ -152,6 +185,21 @@ def _answer(connection: socket.socket, listener: socket.socket) -> None:
     for fd in fds:
         os.close(fd)
     connection.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+
+
+def _read_request(connection: socket.socket, first: bytes) -> dict:
+    line = first
+    while not line.endswith(b"\n"):
+        if len(line) > MAX_REQUEST_BYTES:
+            raise ValueError(f"a request longer than {MAX_REQUEST_BYTES} bytes")
+        more = connection.recv(REQUEST_CHUNK)
+        if not more:
+            raise ConnectionError("a request to the zygote ended before its newline")
+        line += more
+    request = json.loads(line)
+    if not isinstance(request, dict):
+        raise ValueError("a request is a JSON object")
+    return request
 
 
 def _become_nanny(arguments: str, pipe_fd: int, log_fd: int) -> None:
@@ -174,12 +222,25 @@ def _become_engine(request: dict) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     os.environ[ZYGOTE_SOCKET_ENV] = str(Path(os.environ[CLUSTER_DIR_ENV]) / SOCKET_NAME)
-    if "numpy.random" in sys.modules:  # a fork shares the seed; a new process would not
-        sys.modules["numpy.random"].seed()
+    _reseed_random_generators()
     from ddp_magics.engine.process import run
 
     run(request["argv"])
     os._exit(0)
+
+
+def _reseed_random_generators() -> None:
+    """A fork copies the zygote's random state; a process of its own would have seeded each
+    generator afresh from the operating system. So do that: every rank draws its own numbers
+    (a seed a cell sets later still wins)."""
+    import random
+
+    import torch
+
+    random.seed()
+    torch.seed()
+    if "numpy.random" in sys.modules:
+        sys.modules["numpy.random"].seed()
 
 
 def _reap_children(signum, frame) -> None:
