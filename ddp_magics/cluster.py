@@ -97,10 +97,11 @@ class HostSpec:
 
     @property
     def ssh_target(self) -> list[str]:
-        """``ssh`` arguments that reach it."""
+        """``ssh`` arguments that reach it: options, then ``--``, then the destination (so that no
+        host name is ever read as an option)."""
         user, _, host = self.location.rpartition("@")
         name, _, port = host.partition(":")
-        return [*(["-p", port] if port else []), f"{user}@{name}" if user else name]
+        return [*(["-p", port] if port else []), "--", f"{user}@{name}" if user else name]
 
 
 @dataclass(frozen=True)
@@ -372,10 +373,8 @@ class RankCluster:
         )  # fmt: skip
 
     def _host_gpus(self, host: HostSpec) -> int:
-        check = (
-            f"test -x {shlex.quote(self.remote_python)} || echo 'no {self.remote_python}' >&2; "
-            "ls -d /dev/nvidia[0-9]* 2>/dev/null | wc -l"
-        )
+        python = shlex.quote(self.remote_python)
+        check = f"test -x {python} || echo no {python} >&2; ls -d /dev/nvidia[0-9]* 2>/dev/null | wc -l"
         try:
             answer = self._ssh(host, check)
         except subprocess.TimeoutExpired:
