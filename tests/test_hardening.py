@@ -23,7 +23,7 @@ from ddp_magics.cluster import CLUSTERS_ROOT_NAME, stop_stray_clusters
 from ddp_magics.engine.zygote import SOCKET_NAME
 from ddp_magics.lifetime import Lifeline, Owner
 from ddp_magics.private_files import MAX_UNIX_PATH
-from tests.conftest import current_magics, run_cell, running_cluster, shown_text
+from tests.conftest import assert_gone, current_magics, run_cell, running_cluster, shown_text
 
 OTHER_UID = 65534  # nobody
 IS_ROOT = os.geteuid() == 0
@@ -337,3 +337,18 @@ def test_the_zygote_forks_for_no_other_user(ip, healthy, tmp_path):
     assert answer.stdout.strip() == "b''", answer.stderr
     assert f"uid {OTHER_UID} is not this cluster's user" in (cluster.workdir / "zygote.log").read_text()
     assert _on_ranks(ip, "print(rank)") == ["0", "1"]
+
+
+# ------------------------------------------------------------- what a rank started ends with it
+def test_what_a_rank_started_ends_when_its_engine_is_killed(ip, healthy):
+    """A subprocess of a rank (a DataLoader worker, say) goes with the rank's engine, killed by
+    anyone; the engine's nanny kills what is left of the engine's process group."""
+    cell = "import subprocess\nchild = subprocess.Popen(['sleep', '600'])\nprint(child.pid)"
+    children = [psutil.Process(int(line)) for line in _on_ranks(ip, cell)]
+    victim = healthy.cluster.ranks[1]
+    os.kill(victim.pid, 9)
+    assert_gone([children[1]], timeout=5)
+    assert children[0].is_running()
+    with capture_output():
+        ip.run_line_magic("dist_restart", "")
+    assert_gone([children[0]], timeout=5)

@@ -9,8 +9,10 @@ from pathlib import Path
 import ddp_magics
 
 PACKAGE = Path(ddp_magics.__file__).parent
-# What engine code may import of ddp_magics: itself, the shared records, process lifetime.
-ENGINE_MAY_IMPORT = ("ddp_magics.engine", "ddp_magics.protocol", "ddp_magics.lifetime")
+# What engine code may import of ddp_magics: itself, the shared records, process lifetime,
+# private files.
+SHARED_MODULES = ("ddp_magics.protocol", "ddp_magics.lifetime", "ddp_magics.private_files")
+ENGINE_MAY_IMPORT = ("ddp_magics.engine", *SHARED_MODULES)
 # Notebook-side modules that may import ipyparallel: the cluster layer.
 CLUSTER_LAYER = {"cluster.py", "launcher.py", "controller.py"}
 
@@ -51,8 +53,9 @@ def test_engine_code_imports_no_notebook_code():
 
 
 def test_shared_modules_import_nothing_of_either_side():
-    for shared in ("protocol.py", "lifetime.py"):
-        assert ours(imported_modules(PACKAGE / shared)) == set(), shared
+    for shared in SHARED_MODULES:
+        path = PACKAGE / f"{shared.rpartition('.')[2]}.py"
+        assert ours(imported_modules(path)) == set(), shared
 
 
 def test_the_engine_side_is_not_imported_by_the_notebook_side_except_to_send_its_functions():

@@ -171,3 +171,16 @@ def test_interrupt_reaches_the_remote_ranks(ip, healthy):
     assert str(error) == "ranks 0-3 were interrupted"
     _, error = run_cell(ip, "", "dist.barrier()\nprint('after', rank)")
     assert error is None
+
+
+def test_what_a_remote_rank_started_ends_with_its_engine(ip, healthy):
+    """A subprocess (a DataLoader worker, say) of a rank on host b ends when a restart kills that
+    rank's engine, as on the notebook's host."""
+    cell = "import subprocess\nchild = subprocess.Popen(['sleep', '600'])\nprint(child.pid)"
+    captured, error = run_cell(ip, "--ranks 2-3", cell)
+    assert error is None
+    children = [psutil.Process(int(line)) for line in shown_text(captured).splitlines() if line.isdigit()]
+    assert len(children) == 2
+    with capture_output():
+        ip.run_line_magic("dist_restart", "")
+    assert_gone(children, timeout=5)

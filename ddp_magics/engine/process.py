@@ -9,6 +9,7 @@ from pathlib import Path
 
 from traitlets.config import Config
 
+from ddp_magics.engine.nanny import start_group_nanny
 from ddp_magics.engine.rank import start_background_import
 from ddp_magics.engine.zygote import ZYGOTE_SOCKET_ENV, fork_nanny
 from ddp_magics.lifetime import watch_owner
@@ -20,20 +21,21 @@ def run(argv: list[str] | None = None) -> None:
     connects lets it overlap the engine's own start-up and registration."""
     if argv is not None:
         sys.argv = ["ddp_magics.engine", *argv]
+    if os.getpgrp() != os.getpid():  # forked by a zygote, it leads a session of its own already
+        os.setpgid(0, 0)  # its nanny ends the group: what a cell started ends with the engine
     watch_owner()
     start_background_import()
     _engine_class().launch_instance()
 
 
 def _engine_class():
-    """ipyparallel's engine; forked by a zygote, one whose nanny the zygote forks too."""
+    """ipyparallel's engine with ddp_magics' nanny (:mod:`ddp_magics.engine.nanny`), which a
+    zygote that forked the engine forks too."""
     from ipyparallel.engine.app import IPEngine
 
     zygote = os.environ.get(ZYGOTE_SOCKET_ENV)
-    if not zygote:
-        return IPEngine
 
-    class ZygoteNannyEngine(IPEngine):
+    class GroupNannyEngine(IPEngine):
         def start_nanny(self, control_url):
             """ipyparallel's own arguments for the nanny (as in ``IPEngine.start_nanny``)."""
             config = Config()
@@ -48,7 +50,8 @@ def _engine_class():
                 registration_url=self.registration_url,
                 config=config,
             )
-            return fork_nanny(Path(zygote), arguments)
+            if zygote:
+                return fork_nanny(Path(zygote), arguments)
+            return start_group_nanny(**arguments)
 
-    return ZygoteNannyEngine
-
+    return GroupNannyEngine

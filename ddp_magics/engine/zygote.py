@@ -53,6 +53,7 @@ ENGINE_MODULES = (
     "torch.distributed",
     "ipyparallel.engine.app",
     "ipyparallel.engine.nanny",
+    "ddp_magics.engine.nanny",
     "ipykernel.ipkernel",
     "ipykernel.debugger",
     "IPython.extensions.storemagic",
@@ -206,10 +207,10 @@ def _become_nanny(arguments: str, pipe_fd: int, log_fd: int) -> None:
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-    from ipyparallel.engine.nanny import KernelNanny
+    from ddp_magics.engine.nanny import GroupNanny
 
     # Line-buffered: the engine waits for the first line, the URL.
-    KernelNanny.main(**pickle.loads(base64.b64decode(arguments)), pipe=os.fdopen(pipe_fd, "w", buffering=1))
+    GroupNanny.main(**pickle.loads(base64.b64decode(arguments)), pipe=os.fdopen(pipe_fd, "w", buffering=1))
     os._exit(0)
 
 
