@@ -65,7 +65,10 @@ class DistributedCellError(Exception):
         if self.blocked:
             still = "did not stop" if self.interrupted else "still running"
             after = f" after {self.timeout:g} s" if self.timeout is not None else ""
-            places = ", ".join(f"rank {b.rank} {b.where()}" for b in self.blocked)
+            by_place: dict[str, list[int]] = {}
+            for blocked in self.blocked:
+                by_place.setdefault(blocked.where(), []).append(blocked.rank)
+            places = ", ".join(f"{rank_label(ranks)} {where}" for where, ranks in by_place.items())
             parts.append(f"{rank_label([b.rank for b in self.blocked])} {still}{after} ({places})")
         return "; ".join(parts)
 
@@ -83,9 +86,13 @@ class DistributedCellError(Exception):
             lines.extend("    " + line for line in traceback)
         for rank in self.dead:
             lines.append(f"[rank {rank}] its engine process died")
+        # Ranks stuck at the same place with the same stack share one report (32 ranks in one barrier).
+        same_place: dict[tuple[str, tuple[str, ...]], list[int]] = {}
         for blocked in self.blocked:
-            lines.append(f"[rank {blocked.rank}] still running, {blocked.where()}")
-            lines.extend(blocked.report_lines())
+            same_place.setdefault((blocked.where(), tuple(blocked.report_lines())), []).append(blocked.rank)
+        for (where, report), ranks in same_place.items():
+            lines.append(f"[{rank_label(ranks)}] still running, {where}")
+            lines.extend(report)
         if self.finished:
             lines.append(f"[{rank_label(self.finished)}] finished")
         lines.extend(f"Mismatch: {message}" for message in self.mismatches)

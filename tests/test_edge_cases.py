@@ -1,0 +1,117 @@
+"""What a user may do that nobody plans for: exit from a cell, Ctrl-C while starting, restart the
+kernel mid-cell, a thousand cells, a hang among 32 ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+
+import psutil
+import pytest
+from IPython.utils.capture import capture_output
+from jupyter_client.manager import start_new_kernel
+
+from ddp_magics.errors import DistributedCellError
+from tests.conftest import assert_gone, current_magics, run_cell, running_cluster, shown_text
+
+
+def test_ctrl_c_during_start_leaves_nothing_and_the_next_start_works(ip):
+    magics = current_magics(ip)
+    assert magics.cluster is None
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt), capture_output():
+            ip.run_line_magic("dist_start", "-n 2 --backend gloo")
+    finally:
+        timer.cancel()
+    assert current_magics(ip).cluster is None
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    assert_gone(left, timeout=5)
+    with running_cluster(ip, 2):
+        captured, error = run_cell(ip, "", "print(rank)")
+        assert error is None and shown_text(captured) == "[rank 0]\n0\n[rank 1]\n1"
+
+
+def test_a_hang_among_32_ranks_is_reported_in_a_few_lines(ip):
+    magics = current_magics(ip)
+    assert magics.cluster is None
+    with running_cluster(ip, 32):
+        _, error = run_cell(ip, "--timeout 3", "if rank != 5:\n    dist.barrier()\nprint(rank)")
+        assert isinstance(error, DistributedCellError)
+        summary = str(error)
+        assert summary.startswith("ranks 0-4,6-31 still running after 3 s"), summary
+        report = error._render_traceback_()
+        assert len(report) < 60, "\n".join(report)
+        assert any("ranks 0-4,6-31" in line and "line 2" in line for line in report), "\n".join(report)
+
+
+
+def test_a_kernel_restarted_in_the_middle_of_a_cell_leaves_nothing():
+    manager, client = start_new_kernel(kernel_name="python3")
+    try:
+        code = (
+            "%load_ext ddp_magics\n%dist_start -n 2\n"
+            "import json\n"
+            "m = next(m for m in get_ipython().configurables if type(m).__name__ == 'DistributedMagics')\n"
+            "print(json.dumps([[p.pid for p in m.cluster.processes()], str(m.cluster.workdir)]))"
+        )
+        outputs = []
+        reply = client.execute_interactive(code, timeout=120, output_hook=outputs.append)
+        assert reply["content"]["status"] == "ok"
+        texts = [m["content"]["text"] for m in outputs if m["msg_type"] == "stream"]
+        pids, workdir = json.loads("".join(texts).strip().splitlines()[-1])
+        processes = [psutil.Process(pid) for pid in pids]
+        client.execute("%%distributed\nimport time\ntime.sleep(60)")
+        ranks_busy = psutil.Process(pids[0])  # anything of the cluster: it is running
+        assert ranks_busy.is_running()
+        threading.Event().wait(1.5)  # the cell is now running on the ranks
+        manager.restart_kernel(now=True)
+        assert_gone(processes, timeout=5)
+        assert not os.path.exists(workdir)
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+
+
+def test_sys_exit_in_a_cell_is_a_rank_raising_not_a_dead_rank(ip, healthy):
+    _, error = run_cell(ip, "", "import sys\nif rank == 1:\n    sys.exit(3)\nprint('on', rank)")
+    assert isinstance(error, DistributedCellError)
+    assert str(error).startswith("rank 1 raised SystemExit: 3")
+    assert healthy.cluster.dead_ranks() == []
+    captured, error = run_cell(ip, "", "dist.barrier()\nprint('still', rank)")
+    assert error is None and "still 1" in shown_text(captured)
+
+
+def test_os_exit_in_a_cell_is_a_dead_rank_and_restart_brings_it_back(ip, healthy):
+    _, error = run_cell(ip, "", "import os\nif rank == 1:\n    os._exit(3)\nprint('on', rank)")
+    assert isinstance(error, DistributedCellError)
+    assert error.dead == [1]
+    with capture_output():
+        ip.run_line_magic("dist_restart", "")
+    captured, error = run_cell(ip, "", "dist.barrier()\nprint('back', rank)")
+    assert error is None and "back 1" in shown_text(captured)
+
+
+def _open_files(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_a_thousand_cells_leave_descriptors_and_memory_flat(ip, healthy):
+    cluster = healthy.cluster
+    for _ in range(100):  # warm-up: caches, lazily made sockets
+        run_cell(ip, "", "x = rank")
+    engines = [info.pid for info in cluster.ranks]
+    files_before = {pid: _open_files(pid) for pid in [os.getpid(), *engines]}
+    memory_before = psutil.Process().memory_info().rss
+    for number in range(1000):
+        _, error = run_cell(ip, "", f"x = {number} + rank")
+        assert error is None
+    files_after = {pid: _open_files(pid) for pid in files_before}
+    grown = {pid: files_after[pid] - files_before[pid] for pid in files_before}
+    assert max(grown.values()) <= 2, grown
+    memory_growth = psutil.Process().memory_info().rss - memory_before
+    assert memory_growth < 40 * 2**20, f"the kernel grew {memory_growth / 2**20:.1f} MiB over 1000 cells"
