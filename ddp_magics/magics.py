@@ -6,6 +6,10 @@ from __future__ import annotations
 import atexit
 import html
 import ipaddress
+import math
+import os
+import re
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -44,6 +48,12 @@ def parse_rank_spec(spec: str, world_size: int) -> list[int]:
             raise usage_error(f"--ranks {spec!r}: expected ranks like 0, 0,2 or 1-3") from None
         if low > high:
             raise usage_error(f"--ranks {spec!r}: {low}-{high} is an empty range")
+        if low < 0 or high >= world_size:
+            outside = low if low < 0 else high
+            raise usage_error(
+                f"--ranks {spec!r}: rank {outside} does not exist; "
+                f"this cluster has ranks {format_ranks(list(range(world_size)))}"
+            )
         ranks.update(range(low, high + 1))
     missing = sorted(rank for rank in ranks if not 0 <= rank < world_size)
     if missing:
@@ -54,22 +64,57 @@ def parse_rank_spec(spec: str, world_size: int) -> list[int]:
     return sorted(ranks)
 
 
+# torch keeps timeouts in milliseconds; nobody waits a month for a collective or a cell.
+MAX_TIMEOUT_SECONDS = 30 * 24 * 3600
+MAX_WORLD_SIZE = 65536
+
+
+def checked_timeout(option: str, seconds: float) -> float:
+    """``seconds`` if it is a usable timeout; UsageError naming ``option`` otherwise."""
+    if not math.isfinite(seconds) or seconds <= 0 or seconds > MAX_TIMEOUT_SECONDS:
+        raise usage_error(
+            f"{option} {seconds:g}: must be more than 0 seconds and at most {MAX_TIMEOUT_SECONDS:g} (30 days)"
+        )
+    return seconds
+
+
+def local_addresses() -> list[str]:
+    """This machine's IPv4 addresses (in the kernel's network namespace)."""
+    import psutil
+
+    entries = [entry for interface in psutil.net_if_addrs().values() for entry in interface]
+    return sorted({entry.address for entry in entries if entry.family == socket.AF_INET})
+
+
 def _traced_call(trace: Trace | None, rank: int) -> str | None:
     """``recv from rank 1`` for a rank blocked in a traced call."""
     event = trace.in_progress(rank) if trace else None
     return event.call() if event else None
 
 
+# ``[user@]host[:port]``: names of letters, digits, ``.``, ``_`` and ``-``, none starting with
+# ``-`` (ssh would read it as an option); nothing a shell would interpret.
+_NAME = r"[A-Za-z0-9_.][A-Za-z0-9_.-]*"
+SSH_LOCATION = re.compile(rf"(?:{_NAME}@)?{_NAME}(?::[0-9]{{1,5}})?")
+MAX_RANKS_PER_HOST = 1024
+
+
 def parse_hosts(spec: str) -> list[HostSpec]:
     """``nodeA:2,nodeB:2`` (``[user@]host[:ranks]``, 1 rank if not given) -> host specs in
-    rank order; UsageError if malformed or if a host comes twice."""
+    rank order; UsageError if malformed, if a host would be read as an ssh option or by a
+    shell, or if a host comes twice."""
     hosts: list[HostSpec] = []
     for part in spec.split(","):
         location, colon, count = part.strip().rpartition(":")
         if not colon:
             location, count = count, "1"
-        if not location or not count.isdigit() or int(count) < 1:
+        if not location or not count.isdigit() or not 1 <= int(count) <= MAX_RANKS_PER_HOST:
             raise usage_error(f"--hosts {spec!r}: expected hosts like nodeA:2,nodeB:2 (host:ranks)")
+        if not SSH_LOCATION.fullmatch(location) or not 0 < int(location.partition(":")[2] or 1) < 65536:
+            raise usage_error(
+                f"--hosts: {location!r} is not [user@]host[:port] made of letters, digits, '.', '_' "
+                "and '-' (not starting with '-')"
+            )
         hosts.append(HostSpec(location, int(count)))
     names = [host.name.lower() for host in hosts]
     twice = sorted({name for name in names if names.count(name) > 1})
@@ -119,6 +164,11 @@ class DistributedMagics(Magics):
     )
     trace_values_limit = Integer(
         16, config=True, help="Traced tensors with at most this many elements keep their values."
+    )
+    max_local_ranks = Integer(
+        max(64, 8 * (os.cpu_count() or 1)),
+        config=True,
+        help="Most ranks %dist_start runs on this machine (local engines), each a Python process with torch.",
     )
     engines = Enum(
         LAUNCHERS,
@@ -189,6 +239,11 @@ class DistributedMagics(Magics):
                 ipaddress.IPv4Address(controller_ip)
             except ValueError:
                 raise usage_error(f"--ip {controller_ip!r}: expected an IPv4 address of this host") from None
+            addresses = local_addresses()
+            if controller_ip != "0.0.0.0" and controller_ip not in addresses:
+                raise usage_error(
+                    f"--ip {controller_ip}: not an address of this machine (it has {', '.join(addresses)})"
+                )
         gpus = cluster_module.visible_gpu_count() if engines == "local" else None
         world_size = args.n if args.n is not None else self.default_world_size
         if hosts:
@@ -200,13 +255,20 @@ class DistributedMagics(Magics):
             world_size = gpus or 2
         if world_size < 1:
             raise usage_error(f"-n {world_size}: a cluster needs at least 1 rank")
+        if engines == "local" and world_size > self.max_local_ranks:
+            raise usage_error(
+                f"-n {world_size}: more ranks than this machine runs at once (at most "
+                f"{self.max_local_ranks}; %config DistributedMagics.max_local_ranks = N to allow more)"
+            )
+        if world_size > MAX_WORLD_SIZE:
+            raise usage_error(f"-n {world_size}: at most {MAX_WORLD_SIZE} ranks")
         if backend == "nccl" and gpus is not None and gpus < world_size:
             raise usage_error(
                 f"--backend nccl needs one GPU per rank: {world_size} ranks, {gpus} GPUs visible"
             )
-        timeout = args.timeout if args.timeout is not None else self.process_group_timeout
-        if timeout <= 0:
-            raise usage_error(f"--timeout {timeout:g}: must be more than 0 seconds")
+        timeout = checked_timeout(
+            "--timeout", args.timeout if args.timeout is not None else self.process_group_timeout
+        )
         self.report_strays()
         self._last_config = dict(
             n=world_size,
@@ -319,11 +381,10 @@ class DistributedMagics(Magics):
         args = parse_argstring(self.distributed, line)
         if args.trace is not None and not args.trace.isidentifier():
             raise usage_error(f"--trace {args.trace!r}: expected a variable name")
+        timeout = args.timeout if args.timeout is not None else self.cell_timeout
+        timeout = checked_timeout("--timeout", timeout)
         cluster = self._ready_cluster()
         ranks = parse_rank_spec(args.ranks, cluster.n) if args.ranks else list(range(cluster.n))
-        timeout = args.timeout if args.timeout is not None else self.cell_timeout
-        if timeout <= 0:
-            raise usage_error(f"--timeout {timeout:g}: must be more than 0 seconds")
         traced = args.diagram or args.trace is not None
         if traced:
             cluster.start_trace(ranks, self.trace_values_limit)

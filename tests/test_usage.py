@@ -17,6 +17,20 @@ from tests.conftest import run_cell
         ("--backend nccl", "nccl needs one GPU per rank"),
         ("--backend mpi", "invalid choice"),
         ("--timeout -1", "must be more than 0"),
+        ("--timeout 0", "must be more than 0"),
+        ("--timeout nan", "--timeout nan: must be more than 0 seconds and at most"),
+        ("--timeout inf", "--timeout inf: must be more than 0"),
+        ("--timeout=-inf", "--timeout -inf: must be more than 0"),
+        ("--timeout 1e30", "at most 2.592e\\+06 \\(30 days\\)"),
+        ("-n -3", "needs at least 1 rank"),
+        ("-n 100000", "more ranks than this machine runs at once"),
+        ("--ip 203.0.113.7", "--ip 203.0.113.7: not an address of this machine \\(it has .*127.0.0.1"),
+        ("--hosts=-oProxyCommand=touch:1", "is not \\[user@\\]host\\[:port\\]"),
+        ("--hosts nodeA;id:1", "'nodeA;id' is not"),
+        ("--hosts a&b:1", "'a&b' is not"),
+        ("--hosts $(id):1", "'\\$\\(id\\)' is not"),
+        ("--hosts nodeA:70000:1", "'nodeA:70000' is not"),
+        ("--hosts nodeA:100000", "expected hosts like"),
         ("--frobnicate", "unrecognized arguments"),
         ("--hosts nodeA:2,nodeB:x", "expected hosts like nodeA:2,nodeB:2"),
         ("--hosts nodeA:2,nodea:1", "nodea given twice"),
@@ -48,3 +62,17 @@ def test_cells_before_start_are_usage_errors(ip, magics):
         ip.run_line_magic("dist_status", "")
     with pytest.raises(UsageError, match="No cluster is running"):
         ip.run_line_magic("dist_pull", "x")
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("--timeout nan", "--timeout nan: must be more than 0"),
+        ("--timeout inf", "--timeout inf: must be more than 0"),
+        ("--timeout 0", "--timeout 0: must be more than 0"),
+    ],
+)
+def test_bad_cell_timeouts_are_refused_before_anything_runs(ip, magics, line, message):
+    _, error = run_cell(ip, line, "print(1)")
+    assert isinstance(error, UsageError)
+    assert message in str(error)
