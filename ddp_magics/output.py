@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from ddp_magics.protocol import format_ranks, rank_label
 
 TEXT_ONLY_MIMETYPES = {"text/plain"}
+# Characters of a rank's stdout (and of its stderr) shown at most, whatever its number of lines.
+MAX_SHOWN_CHARS = 100_000
 
 
 @dataclass
@@ -49,13 +51,30 @@ class RankOutput:
         return (self.stdout, self.stderr, self.result_text, displays)
 
 
-def tail(text: str, max_lines: int) -> str:
-    """The last ``max_lines`` lines of ``text``, with a note of how many were dropped."""
-    lines = text.splitlines(keepends=True)
-    if len(lines) <= max_lines:
+def tail(text: str, max_lines: int, max_chars: int = MAX_SHOWN_CHARS, count_dropped: bool = True) -> str:
+    """The last ``max_lines`` lines of ``text``, and of those at most the last ``max_chars``
+    characters, with a note of what was dropped. Only the kept end of ``text`` is read, and with
+    ``count_dropped`` the dropped part once more to count it (the live view, which asks again
+    every half second while the output grows, does not count)."""
+    window_start = max(0, len(text) - max_chars)
+    position = len(text) - 1 if text.endswith("\n") else len(text)
+    for _ in range(max_lines):
+        newline = text.rfind("\n", window_start, position)
+        if newline < 0:
+            start = window_start
+            break
+        position = newline
+    else:
+        start = position + 1
+    if start == 0:
         return text
-    dropped = len(lines) - max_lines
-    return f"... {dropped} earlier lines not shown ...\n" + "".join(lines[-max_lines:])
+    if not count_dropped:
+        note = "... earlier output not shown ..."
+    elif start > window_start or text[start - 1] == "\n":
+        note = f"... {text.count(chr(10), 0, start)} earlier lines not shown ..."
+    else:
+        note = f"... {start:,} earlier characters not shown ..."
+    return f"{note}\n{text[start:]}"
 
 
 @dataclass(frozen=True)
@@ -125,7 +144,9 @@ def live_html(outputs: list[RankOutput], pending: set[int], elapsed: float, tail
     columns = []
     for output in outputs:
         state = "running" if output.rank in pending else "finished"
-        text = tail(output.stdout + output.stderr, tail_lines)
+        text = tail(output.stdout, tail_lines, count_dropped=False) + tail(
+            output.stderr, tail_lines, count_dropped=False
+        )
         columns.append(f"<b>[rank {output.rank}]</b> {state}{html_pre(text)}")
     ranks = [output.rank for output in outputs]
     finished = [rank for rank in ranks if rank not in pending]

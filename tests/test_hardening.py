@@ -22,6 +22,7 @@ from IPython.utils.capture import capture_output
 from ddp_magics.cluster import CLUSTERS_ROOT_NAME, stop_stray_clusters
 from ddp_magics.engine.zygote import SOCKET_NAME
 from ddp_magics.lifetime import Lifeline, Owner
+from ddp_magics.output import MAX_SHOWN_CHARS, RankOutput, live_html
 from ddp_magics.private_files import MAX_UNIX_PATH
 from tests.conftest import assert_gone, current_magics, run_cell, running_cluster, shown_text
 
@@ -352,3 +353,25 @@ def test_what_a_rank_started_ends_when_its_engine_is_killed(ip, healthy):
     with capture_output():
         ip.run_line_magic("dist_restart", "")
     assert_gone([children[0]], timeout=5)
+
+
+# ------------------------------------------------------------------------------ a flood of output
+def test_a_cell_printing_50_mb_shows_a_bounded_tail(ip, healthy):
+    captured, error = run_cell(ip, "", "print(('x' * 99 + '\\n') * 500_000 if rank == 1 else 'small')")
+    assert error is None
+    shown = shown_text(captured)
+    assert len(shown) < MAX_SHOWN_CHARS + 1000
+    assert "[rank 0]\nsmall" in shown
+    assert "... 499801 earlier lines not shown ..." in shown  # 500,001 lines, the last 200 kept
+    captured, error = run_cell(ip, "", "print('y' * 50_000_000 if rank == 1 else 'small')")
+    assert error is None
+    shown = shown_text(captured)
+    assert len(shown) < MAX_SHOWN_CHARS + 1000
+    assert f"... {50_000_001 - MAX_SHOWN_CHARS:,} earlier characters not shown ..." in shown
+
+
+def test_the_live_view_of_a_huge_output_is_bounded():
+    huge = RankOutput(rank=0, stdout="z" * 50_000_000)
+    html = live_html([huge, RankOutput(rank=1, stdout="ok\n")], {0}, 3.0, tail_lines=12)
+    assert len(html) < MAX_SHOWN_CHARS + 2000
+    assert "earlier output not shown" in html
