@@ -7,11 +7,19 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
 import pytest
 
+from ddp_magics.lifetime import (
+    CLUSTER_DIR_ENV,
+    KEEPALIVE_SECONDS,
+    LIFELINE_ENV,
+    OWNER_ENV,
+    OWNER_GONE_EXIT_CODE,
+)
 from tests.two_hosts import HOST_A, HOST_B, TwoHosts, skip_reason
 from tests.two_hosts_cases import SSH_CONFIG_ENV
 
@@ -113,4 +121,64 @@ def test_ranks_on_two_hosts_through_the_ssh_launcher():
         left = {ns: [(p.pid, p.cmdline()) for p in ps] for ns, ps in hosts.leftovers(settle=5).items()}
         assert left == {hosts.ns_a: [], hosts.ns_b: []}
     assert hosts.killed_at_exit == []
+    assert_all_gone(hosts)
+
+
+# The kernel's end of a lifeline, on host a: prints what engines get in their environment.
+LIFELINE_ON_A = """
+import sys
+from ddp_magics.lifetime import Lifeline
+lifeline = Lifeline(sys.argv[1])
+print(lifeline.environment_value, flush=True)
+sys.stdin.read()
+"""
+# An engine's watch of its owner, on host b: the owner names another machine, so only the lifeline.
+WATCHER_ON_B = """
+import os, time
+from ddp_magics.lifetime import watch_owner
+watch_owner()
+print("watching", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_remote_process_goes_soon_after_the_kernels_host_vanishes(tmp_path):
+    """The link to the kernel's host goes down (no FIN, no RST: packets just stop): the process on
+    host b notices through TCP keepalive within about 30 s, not Linux's default 2 hours."""
+    with TwoHosts(exit_grace=0) as hosts:
+        owner = subprocess.Popen(
+            hosts.in_a([sys.executable, "-c", LIFELINE_ON_A, HOST_A]),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+        watcher = None
+        try:
+            environment = {
+                **os.environ,
+                OWNER_ENV: "1:1:boot-id-of-another-machine",
+                CLUSTER_DIR_ENV: str(tmp_path),
+                LIFELINE_ENV: owner.stdout.readline().strip(),
+            }
+            watcher = subprocess.Popen(
+                hosts.in_b([sys.executable, "-c", WATCHER_ON_B]),
+                env=environment,
+                stdout=subprocess.PIPE,
+                text=True,
+                cwd=ROOT,
+            )
+            assert watcher.stdout.readline() == "watching\n"
+            subprocess.run(hosts.in_a(["ip", "link", "set", hosts.veth_a, "down"]), check=True)
+            started = time.monotonic()
+            assert watcher.wait(timeout=60) == OWNER_GONE_EXIT_CODE
+            assert time.monotonic() - started < KEEPALIVE_SECONDS + 15
+        finally:
+            for process in (watcher, owner):
+                if process is not None and process.poll() is None:
+                    process.kill()
+                    process.wait()
+                if process is not None:
+                    process.stdout.close()
+            owner.stdin.close()
     assert_all_gone(hosts)
