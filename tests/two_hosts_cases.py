@@ -139,7 +139,7 @@ def test_remote_rank_raising_while_the_others_wait_in_all_reduce(ip, healthy, ma
     assert isinstance(error, DistributedCellError)
     assert str(error).startswith("rank 2 raised RuntimeError: rank 2 gave up; ranks 0,1,3 still running")
     report = "\n".join(error._render_traceback_())
-    assert "[rank 3] still running, in all_reduce at cell line 4" in report
+    assert "[ranks 0,1,3] still running, in all_reduce at cell line 4" in report
     with capture_output():
         ip.run_line_magic("dist_restart", "")
 
