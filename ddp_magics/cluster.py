@@ -8,6 +8,7 @@ raised as the exceptions defined below.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -224,6 +225,7 @@ class RankCluster:
         self.engine_launcher = engine_launcher
         self.ranks: list[RankInfo] = []
         self.workdir: Path | None = None
+        self._host_workdirs: dict[str, str] = {}  # on each host of --hosts: its engines' directory
         self._cluster: ipp.Cluster | None = None
         self._zygote: Zygote | None = None
         self._client: ipp.Client | None = None
@@ -318,6 +320,9 @@ class RankCluster:
             config.SSHLauncher.ssh_cmd = self.ssh_command
             config.SSHLauncher.remote_python = self.remote_python
             config.SSHEngineLauncher.to_send = []
+            config.StoppedFirstSSHEngineLauncher.host_workdirs = {
+                host.name: self._host_workdirs[host.location] for host in self.hosts
+            }
         elif self.engine_launcher == "mpi":
             config.MPILauncher.mpi_cmd = self.mpi_command
             if self.hosts:  # MPICH's (hydra's) form
@@ -352,9 +357,11 @@ class RankCluster:
         return sources[0]
 
     def _check_hosts(self, progress: Progress) -> dict[str, int]:
-        """Reach every host over ssh before starting anything; returns each one's GPU count."""
+        """Reach every host over ssh before starting anything, and prepare it (see
+        :mod:`ddp_magics.engine.host`); returns each one's GPU count."""
         progress(f"reaching {len(self.hosts)} hosts over ssh")
-        return dict(zip([host.location for host in self.hosts], self._on_every_host(self._host_gpus)))
+        gpus = self._on_every_host(self._prepare_host)
+        return dict(zip([host.location for host in self.hosts], gpus))
 
     def _on_every_host(self, action: Callable[[HostSpec], object]) -> list:
         """``action(host)`` for every host of the list at once (each is mostly an ssh call)."""
@@ -372,18 +379,30 @@ class RankCluster:
             stdin=subprocess.DEVNULL,
         )  # fmt: skip
 
-    def _host_gpus(self, host: HostSpec) -> int:
+    def _prepare_host(self, host: HostSpec) -> int:
+        """Make the host's private directory for this cluster's engines (kept in
+        ``_host_workdirs``, so that stop removes it whatever fails next); returns its GPU count."""
         python = shlex.quote(self.remote_python)
-        check = f"test -x {python} || echo no {python} >&2; ls -d /dev/nvidia[0-9]* 2>/dev/null | wc -l"
+        # Named per host too: two hosts may share a temp directory (over the network).
+        name = f"{self.workdir.name}-{self.hosts.index(host)}"
+        prepare = f"{python} -m ddp_magics.engine.host {shlex.quote(name)}"
+        command = f"if test -x {python}; then {prepare}; else echo no {python} >&2; fi"
         try:
-            answer = self._ssh(host, check)
+            answer = self._ssh(host, command)
         except subprocess.TimeoutExpired:
             raise ClusterError(f"{host.location} did not answer ssh within {SSH_CHECK_SECONDS} s") from None
         problem = answer.stderr.strip().splitlines()
         if answer.returncode != 0 or problem:
             reason = problem[-1] if problem else f"ssh exited with {answer.returncode}"
             raise ClusterError(f"cannot start engines on {host.location}: {reason}")
-        return int(answer.stdout.strip() or 0)
+        try:
+            prepared = json.loads(answer.stdout.strip().splitlines()[-1])
+        except (IndexError, json.JSONDecodeError):
+            raise ClusterError(
+                f"cannot start engines on {host.location}: it answered {answer.stdout!r}"
+            ) from None
+        self._host_workdirs[host.location] = prepared["workdir"]
+        return prepared["gpus"]
 
     def _launch_engines(self, progress: Progress) -> None:
         progress(f"starting {self.n} engines" + (f" on {len(self.hosts)} hosts" if self.hosts else ""))
@@ -542,8 +561,9 @@ class RankCluster:
             if self._lifeline is not None:
                 self._lifeline.close()
                 self._lifeline = None
-            if cluster is not None and self.engine_launcher == "ssh":
+            if self._host_workdirs:
                 self._remove_remote_files()
+                self._host_workdirs = {}
             if client is not None:
                 client.close()
             if self.workdir is not None:
@@ -553,15 +573,17 @@ class RankCluster:
             self._views = {}
 
     def _remove_remote_files(self) -> None:
-        """The engines' logs and profile (ipyparallel's SSH launcher makes the cluster's directory on
-        every host): removed on each host, with one ssh call per host at once."""
-        command = f"rm -rf -- {shlex.quote(str(self.workdir))}"
+        """The engines' directories (profile, logs) on every host, removed with one ssh call per
+        host at once."""
 
         def remove(host: HostSpec) -> None:
+            workdir = self._host_workdirs.get(host.location)
+            if workdir is None:
+                return  # never prepared
             try:
-                self._ssh(host, command).check_returncode()
+                self._ssh(host, f"rm -rf -- {shlex.quote(workdir)}").check_returncode()
             except (subprocess.SubprocessError, OSError) as error:
-                CLUSTER_LOG.error("could not remove %s on %s: %s", self.workdir, host.location, error)
+                CLUSTER_LOG.error("could not remove %s on %s: %s", workdir, host.location, error)
 
         self._on_every_host(remove)
 

@@ -17,6 +17,7 @@ import select
 import signal
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from ipyparallel.cluster.launcher import (
     SSHEngineLauncher,
     SSHEngineSetLauncher,
 )
+from traitlets import Dict
 
 from ddp_magics.engine.zygote import READY, SOCKET_NAME, fork_engine
 from ddp_magics.lifetime import CLUSTER_DIR_ENV
@@ -142,10 +144,19 @@ class StoppedFirstSSHEngineLauncher(SSHEngineLauncher):
     engines that ddp_magics stops first (SIGKILL through their nannies, see ``cluster.stop``).
     Stopping one then takes one ssh call that finds it gone, instead of a TERM to a PID that no
     longer exists (whose remote traceback would reach the notebook's log), a wait and a copy of
-    its log back over scp."""
+    its log back over scp.
+
+    Each engine keeps its profile, logs and IPython directory in its host's private directory
+    for the cluster (``host_workdirs``, made by :mod:`ddp_magics.engine.host`), not at the path
+    of the kernel's directory, which on another host nobody has checked."""
+
+    host_workdirs = Dict(config=True, help="host name -> the cluster's directory on that host")
 
     def start(self, hostname=None, user=None, port=None) -> None:
         self.loop  # noqa: B018 (fixes the launcher's event loop to this thread's, as ipyparallel asks)
+        self._workdir = self.host_workdirs[hostname]
+        self.remote_profile_dir = f"{self._workdir}/profile"
+        self.remote_output_file = f"{self._workdir}/profile/log/ipengine-{time.time():.4f}.out"
         self.starting = self.parent.starting_pool.submit(super().start, hostname, user, port)
 
     async def stop(self) -> None:
@@ -157,6 +168,13 @@ class StoppedFirstSSHEngineLauncher(SSHEngineLauncher):
     def get_output(self, remove: bool = False) -> str:
         """The engine's log stays on its host, in the cluster's directory, which stop removes."""
         return ""
+
+    def get_env(self) -> dict:
+        return {
+            **super().get_env(),
+            CLUSTER_DIR_ENV: self._workdir,
+            "IPYTHONDIR": f"{self._workdir}/ipython",
+        }
 
 
 class StoppedFirstSSHEngineSetLauncher(SSHEngineSetLauncher):

@@ -10,7 +10,10 @@ from __future__ import annotations
 import os
 import signal
 import stat
+import tempfile
 import threading
+import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -41,6 +44,35 @@ def test_bad_hosts_start_nothing(ip, magics, ssh):
         ip.run_line_magic("dist_start", f"--hosts {HOSTS} --backend nccl")
     assert magics.cluster is None
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= children_before
+    # host a answered and was prepared before b failed: its directory went with the failed start
+    assert not list((Path(tempfile.gettempdir()) / f"ddp_magics-{os.geteuid()}").glob("host-*"))
+
+
+def test_each_host_keeps_the_engines_files_private_and_cleans_what_ended_kernels_left(ip, magics, ssh):
+    """Engines on a host keep their files in that host's own private directory; a directory left
+    there by a kernel that vanished (its engines gone, nothing running of it) goes at the next
+    start on that host."""
+    root = Path(tempfile.gettempdir()) / f"ddp_magics-{os.geteuid()}"
+    leftover = root / "host-cluster-of-a-vanished-kernel"
+    (leftover / "profile" / "log").mkdir(parents=True)
+    an_hour_ago = time.time() - 3600
+    os.utime(leftover, (an_hour_ago, an_hour_ago))
+    with capture_output():
+        ip.run_line_magic("dist_start", f"--hosts {HOST_A}:1,{HOST_B}:1 --backend gloo")
+    cluster = current_magics(ip).cluster
+    try:
+        assert not leftover.exists()
+        captured, error = run_cell(ip, "", "import os\nprint(os.environ['DDP_MAGICS_CLUSTER_DIR'])")
+        assert error is None
+        directories = [Path(line) for line in shown_text(captured).splitlines() if line.startswith("/")]
+        assert len(set(directories)) == 2 and all(d.name.startswith("host-cluster-") for d in directories)
+        assert {stat.S_IMODE(d.stat().st_mode) for d in directories} == {0o700}
+        processes = cluster.processes()
+    finally:
+        with capture_output():
+            ip.run_line_magic("dist_stop", "")
+    assert_gone(processes)
+    assert not [d for d in directories if d.exists()]
 
 
 @pytest.fixture(scope="module")
