@@ -375,3 +375,26 @@ def test_the_live_view_of_a_huge_output_is_bounded():
     html = live_html([huge, RankOutput(rank=1, stdout="ok\n")], {0}, 3.0, tail_lines=12)
     assert len(html) < MAX_SHOWN_CHARS + 2000
     assert "earlier output not shown" in html
+
+
+# ------------------------------------------------------------ strays of other machines and boots
+def _cluster_dir_owned_by(temp: Path, name: str, owner: Owner, host: str) -> Path:
+    workdir = temp / CLUSTERS_ROOT_NAME / name
+    workdir.mkdir(parents=True)
+    (temp / CLUSTERS_ROOT_NAME).chmod(0o700)
+    (workdir / "owner").write_text(f"{owner}\n{host}\n")
+    return workdir
+
+
+def test_strays_of_another_machine_are_left_and_of_an_earlier_boot_removed(temp_dir):
+    """A temp directory shared over the network holds clusters of kernels on other machines:
+    their PIDs mean nothing here. One of this machine's earlier boot cannot be running."""
+    elsewhere = _cluster_dir_owned_by(
+        temp_dir, "cluster-elsewhere", Owner(os.getpid(), 1, "boot-of-another-machine"), "another-host"
+    )
+    earlier_boot = _cluster_dir_owned_by(
+        temp_dir, "cluster-earlier-boot", Owner(os.getpid(), 1, "an-earlier-boot"), socket.gethostname()
+    )
+    assert stop_stray_clusters() == []
+    assert elsewhere.exists()
+    assert not earlier_boot.exists()
