@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from contextlib import contextmanager
+from pathlib import Path
 
 import psutil
 import pytest
 from IPython.testing.globalipapp import start_ipython
 from IPython.utils.capture import capture_output
+from jupyter_client.manager import start_new_kernel
 
 from ddp_magics.lifetime import wait_for_exit
 from ddp_magics.magics import DistributedMagics
@@ -80,3 +83,26 @@ def shown_text(captured) -> str:
     """The text/plain of everything displayed, joined as nbval would see it."""
     texts = [output.data.get("text/plain", "") for output in captured.outputs]
     return "\n".join(texts)
+
+
+def start_kernel_with_cluster(world_size: int):
+    """A real ipykernel with a cluster of ``world_size`` ranks: (kernel manager, its client with
+    channels started, the cluster's processes, its directory). The caller shuts both down."""
+    manager, client = start_new_kernel(kernel_name="python3")
+    try:
+        code = (
+            f"%load_ext ddp_magics\n%dist_start -n {world_size}\n"
+            "import json\n"
+            "m = next(m for m in get_ipython().configurables if type(m).__name__ == 'DistributedMagics')\n"
+            "print(json.dumps([[p.pid for p in m.cluster.processes()], str(m.cluster.workdir)]))"
+        )
+        outputs = []
+        reply = client.execute_interactive(code, timeout=120, output_hook=outputs.append)
+        assert reply["content"]["status"] == "ok"
+        texts = [m["content"]["text"] for m in outputs if m["msg_type"] == "stream"]
+        pids, workdir = json.loads("".join(texts).strip().splitlines()[-1])
+        return manager, client, [psutil.Process(pid) for pid in pids], Path(workdir)
+    except BaseException:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+        raise

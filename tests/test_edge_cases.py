@@ -3,7 +3,6 @@ kernel mid-cell, a thousand cells, a hang among 32 ranks."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -11,10 +10,16 @@ import threading
 import psutil
 import pytest
 from IPython.utils.capture import capture_output
-from jupyter_client.manager import start_new_kernel
 
 from ddp_magics.errors import DistributedCellError
-from tests.conftest import assert_gone, current_magics, run_cell, running_cluster, shown_text
+from tests.conftest import (
+    assert_gone,
+    current_magics,
+    run_cell,
+    running_cluster,
+    shown_text,
+    start_kernel_with_cluster,
+)
 
 
 def test_ctrl_c_during_start_leaves_nothing_and_the_next_start_works(ip):
@@ -51,27 +56,14 @@ def test_a_hang_among_32_ranks_is_reported_in_a_few_lines(ip):
 
 
 def test_a_kernel_restarted_in_the_middle_of_a_cell_leaves_nothing():
-    manager, client = start_new_kernel(kernel_name="python3")
+    manager, client, processes, workdir = start_kernel_with_cluster(2)
     try:
-        code = (
-            "%load_ext ddp_magics\n%dist_start -n 2\n"
-            "import json\n"
-            "m = next(m for m in get_ipython().configurables if type(m).__name__ == 'DistributedMagics')\n"
-            "print(json.dumps([[p.pid for p in m.cluster.processes()], str(m.cluster.workdir)]))"
-        )
-        outputs = []
-        reply = client.execute_interactive(code, timeout=120, output_hook=outputs.append)
-        assert reply["content"]["status"] == "ok"
-        texts = [m["content"]["text"] for m in outputs if m["msg_type"] == "stream"]
-        pids, workdir = json.loads("".join(texts).strip().splitlines()[-1])
-        processes = [psutil.Process(pid) for pid in pids]
         client.execute("%%distributed\nimport time\ntime.sleep(60)")
-        ranks_busy = psutil.Process(pids[0])  # anything of the cluster: it is running
-        assert ranks_busy.is_running()
         threading.Event().wait(1.5)  # the cell is now running on the ranks
+        assert all(process.is_running() for process in processes)
         manager.restart_kernel(now=True)
         assert_gone(processes, timeout=5)
-        assert not os.path.exists(workdir)
+        assert not workdir.exists()
     finally:
         client.stop_channels()
         manager.shutdown_kernel(now=True)

@@ -15,7 +15,6 @@ from pathlib import Path
 import psutil
 import pytest
 from IPython.utils.capture import capture_output
-from jupyter_client.manager import start_new_kernel
 
 from ddp_magics.cluster import OWNER_FILE, clusters_root, stop_stray_clusters
 from ddp_magics.lifetime import (
@@ -29,7 +28,7 @@ from ddp_magics.lifetime import (
     process_alive,
     start_ticks,
 )
-from tests.conftest import assert_gone
+from tests.conftest import assert_gone, start_kernel_with_cluster
 
 # Starts a cluster in a fresh interpreter and prints the PIDs of everything it runs.
 START_AND_REPORT = textwrap.dedent(
@@ -99,25 +98,9 @@ def test_interpreter_exit_stops_the_cluster():
 
 def _start_in_kernel(world_size: int):
     """A real ipykernel with a cluster: (kernel manager, the cluster's processes, its directory)."""
-    manager, client = start_new_kernel(kernel_name="python3")
-    try:
-        code = (
-            f"%load_ext ddp_magics\n%dist_start -n {world_size}\n"
-            "import json\n"
-            "m = next(m for m in get_ipython().configurables if type(m).__name__ == 'DistributedMagics')\n"
-            "print(json.dumps([[p.pid for p in m.cluster.processes()], str(m.cluster.workdir)]))"
-        )
-        outputs = []
-        reply = client.execute_interactive(code, timeout=120, output_hook=outputs.append)
-        assert reply["content"]["status"] == "ok"
-        texts = [m["content"]["text"] for m in outputs if m["msg_type"] == "stream"]
-        pids, workdir = json.loads("".join(texts).strip().splitlines()[-1])
-        return manager, _processes(pids), Path(workdir)
-    except BaseException:
-        manager.shutdown_kernel(now=True)
-        raise
-    finally:
-        client.stop_channels()
+    manager, client, processes, workdir = start_kernel_with_cluster(world_size)
+    client.stop_channels()
+    return manager, processes, workdir
 
 
 # JupyterLab's "Shut Down Kernel": a shutdown request, a short wait, then a kill. At n=4 the
