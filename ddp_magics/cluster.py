@@ -642,9 +642,18 @@ class RankCluster:
         self._client.send_signal(signal.SIGINT, targets=self.engine_ids(ranks), block=True)
 
     # ------------------------------------------------------------------- inspecting
-    def start_trace(self, ranks: list[int], values_limit: int) -> ipp.AsyncResult:
-        """Trace the next cell sent to ``ranks``; returns at once (the engines keep the order)."""
-        return self._view(ranks).apply_async(recorder.start_trace, values_limit)
+    def start_trace(self, ranks: list[int], values_limit: int) -> None:
+        """Trace the next cell sent to ``ranks``; a ClusterError if a rank could not start it."""
+        try:
+            starting = self._view(ranks).apply_async(recorder.start_trace, values_limit)
+            self._within_timeout(starting, "starting a trace")
+        except CompositeError as error:
+            engine_ranks = {info.engine_id: info.rank for info in self.ranks}
+            failures = [
+                f"rank {engine_ranks.get(engine_info.get('engine_id'), '?')}: {ename}: {evalue}"
+                for ename, evalue, _, engine_info in error.elist
+            ]
+            raise ClusterError("tracing could not start (" + "; ".join(failures) + ")") from None
 
     def inspect(self, run: CellRun, ranks: list[int], wait: float = 3.0) -> dict[int, protocol.Inspection]:
         """Where ``ranks``, still running ``run``, are: every thread's stack and the calls traced

@@ -387,7 +387,10 @@ class DistributedMagics(Magics):
         ranks = parse_rank_spec(args.ranks, cluster.n) if args.ranks else list(range(cluster.n))
         traced = args.diagram or args.trace is not None
         if traced:
-            cluster.start_trace(ranks, self.trace_values_limit)
+            try:
+                cluster.start_trace(ranks, self.trace_values_limit)
+            except ClusterError as error:
+                raise usage_error(f"--trace/--diagram: {error}") from None
         run = cluster.execute(cell, ranks, self._cell_number())
         ended = self._wait(run, timeout)
         self._finish(

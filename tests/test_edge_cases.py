@@ -9,6 +9,7 @@ import threading
 
 import psutil
 import pytest
+from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
 from ddp_magics.errors import DistributedCellError
@@ -107,3 +108,16 @@ def test_a_thousand_cells_leave_descriptors_and_memory_flat(ip, healthy):
     assert max(grown.values()) <= 2, grown
     memory_growth = psutil.Process().memory_info().rss - memory_before
     assert memory_growth < 40 * 2**20, f"the kernel grew {memory_growth / 2**20:.1f} MiB over 1000 cells"
+
+
+def test_a_trace_that_cannot_start_says_so_in_one_line(ip, healthy):
+    run_cell(ip, "", "dist.destroy_process_group()")
+    try:
+        _, error = run_cell(ip, "--trace tr", "print(rank)")
+        assert isinstance(error, UsageError)
+        message = str(error)
+        assert message.startswith("--trace/--diagram: tracing could not start (rank 0: ValueError:")
+        assert "rank 1: ValueError" in message and "\n" not in message
+    finally:
+        with capture_output():
+            ip.run_line_magic("dist_restart", "")

@@ -280,6 +280,20 @@ def test_tracing_is_off_unless_asked_and_unwraps_after_the_cell(ip, cluster4):
     assert error is None and shown_text(captured) == "[ranks 0-3]\nTrue"
 
 
+def test_a_torch_without_some_traced_function_is_traced_all_the_same(ip, cluster4):
+    """torch before 2.13 has no ``reduce_scatter_single`` (seen on a GPU machine's torch 2.11):
+    the functions it has are traced, and nothing stays wrapped after the cell."""
+    run_cell(ip, "", "kept = dist.reduce_scatter_single\ndel dist.reduce_scatter_single")
+    try:
+        captured, error = run_cell(ip, "--trace older", "t = torch.ones(1)\ndist.all_reduce(t)")
+        assert error is None and [step.op for step in ip.user_ns["older"].steps] == ["all_reduce"]
+        check = "print(dist.all_reduce is torch.distributed.distributed_c10d.all_reduce)"
+        captured, error = run_cell(ip, "", check)
+        assert error is None and shown_text(captured) == "[ranks 0-3]\nTrue"
+    finally:
+        run_cell(ip, "", "dist.reduce_scatter_single = kept")
+
+
 def test_a_traced_cell_keeps_no_reference_to_its_groups(ip, cluster4):
     run_cell(ip, "", "import gc, weakref\npair = dist.new_group([0, 1])\nt = torch.ones(1)")
     captured, error = run_cell(ip, "--trace used", "if rank < 2:\n    dist.all_reduce(t, group=pair)")

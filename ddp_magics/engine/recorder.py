@@ -56,10 +56,15 @@ class Tracer:
 
     # ---------------------------------------------------------------- install / remove
     def install(self) -> None:
-        for name in TRACED_OPS:
-            original = getattr(self._dist, name)
-            self._originals[name] = original
-            setattr(self._dist, name, self._wrap(name, original))
+        # Wrapped all at once or not at all: a wrapper left behind would outlive the cell.
+        wrappers = {
+            name: self._wrap(name, getattr(self._dist, name))
+            for name in TRACED_OPS
+            if hasattr(self._dist, name)  # a torch older than 2.13 lacks its newest names
+        }
+        for name, wrapper in wrappers.items():
+            self._originals[name] = wrapper.__wrapped__
+            setattr(self._dist, name, wrapper)
         self.active = True
 
     def remove(self) -> None:
