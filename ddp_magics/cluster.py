@@ -33,6 +33,7 @@ from traitlets.config import Config
 from ddp_magics import protocol
 from ddp_magics.engine import rank as rank_code
 from ddp_magics.engine import recorder
+from ddp_magics.engine.zygote import ENDED_PREFIX
 from ddp_magics.launcher import StoppedFirstSSHEngineSetLauncher, Zygote, ZygoteEngineSetLauncher, ZygoteError
 from ddp_magics.lifetime import (
     LIFELINE_ENV,
@@ -61,6 +62,7 @@ LOCAL_HOST = "127.0.0.1"
 STOP_GRACE_SECONDS = 0.5
 # A short heartbeat period confirms new engines sooner; this much silence still means dead.
 HEARTBEAT_SILENCE_MS = 3000
+DEATH_RECORD_SECONDS = 0.5
 
 Progress = Callable[[str], None]
 # ipyparallel logs engines' output when they exit non-zero, as they do on SIGTERM at every stop;
@@ -608,6 +610,31 @@ class RankCluster:
 
     def _rank_process_alive(self, info: RankInfo) -> bool:
         return info.host != _this_host() or process_alive(info.pid)
+
+    def death_record(self, rank: int, wait: float = DEATH_RECORD_SECONDS) -> tuple[str | None, str | None]:
+        """How a dead rank's engine ended (``killed by SIGSEGV (Segmentation fault)``) and the
+        stack Python wrote as it crashed (faulthandler's, from the engine's log), as far as this
+        machine can tell: for engines its zygote forked. (None, None) otherwise."""
+        if self._zygote is None or self.workdir is None:
+            return None, None
+        pid = self.ranks[rank].pid
+        marker = f"{ENDED_PREFIX}{pid} "
+        deadline = time.monotonic() + wait  # the zygote reaps and logs the exit just after it
+        how = None
+        while how is None:
+            lines = self._zygote.log_path.read_text(errors="replace").splitlines()
+            how = next((line[len(marker) :] for line in lines if line.startswith(marker)), None)
+            if how is None and time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        return how, self._crash_dump(pid)
+
+    def _crash_dump(self, pid: int) -> str | None:
+        for log in (self.workdir / "profile" / "log").glob("ipengine-*.log"):
+            text = log.read_text(errors="replace")
+            if f"pid={pid}," in text and "Fatal Python error" in text:
+                return text[text.rindex("Fatal Python error") :]
+        return None
 
     def status(self) -> list[RankStatus]:
         dead = set(self.dead_ranks())

@@ -29,6 +29,22 @@ class RankFailure:
     traceback: str
 
 
+@dataclass(frozen=True)
+class DeadRank:
+    """A rank whose engine process ended during the cell: how, and where its Python was if it
+    crashed (as far as the notebook's machine can tell: for engines forked there)."""
+
+    rank: int
+    how: str | None = None  # "killed by SIGSEGV (Segmentation fault)", "exited with status 3"
+    crashed_at: BlockedRank | None = None
+
+    def lines(self) -> list[str]:
+        headline = f"[rank {self.rank}] its engine process died" + (f": {self.how}" if self.how else "")
+        if self.crashed_at is None:
+            return [headline]
+        return [f"{headline}, {self.crashed_at.where()}", *self.crashed_at.report_lines()]
+
+
 @dataclass(eq=False)
 class DistributedCellError(Exception):
     """A %%distributed cell did not finish cleanly on every rank.
@@ -41,6 +57,7 @@ class DistributedCellError(Exception):
     blocked: list[BlockedRank] = field(default_factory=list)
     finished: list[int] = field(default_factory=list)
     dead: list[int] = field(default_factory=list)
+    deaths: list[DeadRank] = field(default_factory=list)  # of the dead ranks, as far as known
     timeout: float | None = None
     interrupted: bool = False
     usable: bool = True
@@ -84,8 +101,9 @@ class DistributedCellError(Exception):
             label = f"[{rank_label(ranks)}]"
             lines.append(label if traceback else f"{label} {ename}: {evalue}")
             lines.extend("    " + line for line in traceback)
+        known = {death.rank: death for death in self.deaths}
         for rank in self.dead:
-            lines.append(f"[rank {rank}] its engine process died")
+            lines.extend(known.get(rank, DeadRank(rank)).lines())
         # Ranks stuck at the same place with the same stack share one report (32 ranks in one barrier).
         same_place: dict[tuple[str, tuple[str, ...]], list[int]] = {}
         for blocked in self.blocked:

@@ -21,7 +21,13 @@ from traitlets import Bool, Dict, Enum, Float, Integer, List, Unicode
 
 from ddp_magics import cluster as cluster_module
 from ddp_magics.cluster import BACKENDS, LAUNCHERS, CellRun, ClusterError, HostSpec, Progress, RankCluster
-from ddp_magics.errors import RESTART_ADVICE, DistributedCellError, failure_from_remote_error, usage_error
+from ddp_magics.errors import (
+    RESTART_ADVICE,
+    DeadRank,
+    DistributedCellError,
+    failure_from_remote_error,
+    usage_error,
+)
 from ddp_magics.live_view import LiveView
 from ddp_magics.matching import Trace
 from ddp_magics.output import StatusTable, live_html, render
@@ -496,11 +502,17 @@ class DistributedMagics(Magics):
             blocked=blocked,
             finished=[r for r in run.ranks if r not in pending and r not in failed_or_dead],
             dead=dead,
+            deaths=[self._death(rank, cell) for rank in dead],
             timeout=timed_out_after,
             interrupted=interrupted,
             usable=not (alive_pending or dead),
             mismatches=[mismatch.message for mismatch in trace.mismatches] if trace else [],
         )
+
+    def _death(self, rank: int, cell: str) -> DeadRank:
+        how, crash_dump = self.cluster.death_record(rank)
+        crashed_at = BlockedRank.from_dump(rank, crash_dump, cell) if crash_dump else None
+        return DeadRank(rank, how, crashed_at)
 
     def _trace(self, run: CellRun, pending: list[int], dead: list[int], inspections: dict) -> Trace:
         """The cell's trace: what finished ranks published as the cell ended, and what ranks

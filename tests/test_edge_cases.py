@@ -121,3 +121,24 @@ def test_a_trace_that_cannot_start_says_so_in_one_line(ip, healthy):
     finally:
         with capture_output():
             ip.run_line_magic("dist_restart", "")
+
+
+@pytest.mark.parametrize(
+    ("ending", "how"),
+    [
+        ("import ctypes; ctypes.string_at(0)", "killed by SIGSEGV (Segmentation fault), at cell line 3"),
+        ("os.kill(os.getpid(), signal.SIGKILL)", "killed by SIGKILL (Killed)"),
+        ("os._exit(7)", "exited with status 7"),
+    ],
+)
+def test_a_rank_that_dies_is_reported_with_how_and_where(ip, healthy, ending, how):
+    cell = f"import os, signal\nif rank == 1:\n    {ending}\nprint('alive', rank)"
+    _, error = run_cell(ip, "", cell)
+    assert isinstance(error, DistributedCellError) and error.dead == [1]
+    report = error._render_traceback_()
+    assert f"[rank 1] its engine process died: {how}" in report, "\n".join(report)
+    if "SIGSEGV" in how:  # the crash's own stack, from the engine's log
+        assert f"    line 3: {ending}" in report
+        assert '      File "ctypes/__init__.py", in string_at' in report
+    with capture_output():
+        ip.run_line_magic("dist_restart", "")

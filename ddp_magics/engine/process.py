@@ -3,6 +3,7 @@
 Engines forked by the cluster's zygote (:mod:`ddp_magics.engine.zygote`) call :func:`run` too.
 """
 
+import faulthandler
 import os
 import sys
 from pathlib import Path
@@ -24,6 +25,9 @@ def run(argv: list[str] | None = None) -> None:
     if os.getpgrp() != os.getpid():  # forked by a zygote, it leads a session of its own already
         os.setpgid(0, 0)  # its nanny ends the group: what a cell started ends with the engine
     watch_owner()
+    # A crash leaves its stack in the engine's log: a descriptor of its own, as the kernel soon
+    # sends fd 2 to the cell's output (which dies with the process).
+    faulthandler.enable(file=os.dup(2), all_threads=True)
     start_background_import()
     _engine_class().launch_instance()
 

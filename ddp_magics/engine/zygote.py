@@ -43,6 +43,8 @@ from ddp_magics.lifetime import (
 from ddp_magics.private_files import unix_address
 
 SOCKET_NAME = "zygote.sock"
+# A line of the zygote's log for each process it forked that ended: this prefix, PID, how.
+ENDED_PREFIX = "ddp_magics zygote: ended: PID "
 # Set in the engines the zygote forks: where to ask for their nannies.
 ZYGOTE_SOCKET_ENV = "DDP_MAGICS_ZYGOTE"
 READY = "ready"
@@ -245,13 +247,28 @@ def _reseed_random_generators() -> None:
 
 
 def _reap_children(signum, frame) -> None:
+    """Reap what ended, and log how (the notebook reads it to say how a rank died)."""
     while True:
         try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
+            pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
             return
+        print(f"{ENDED_PREFIX}{pid} {how_it_ended(status)}", file=sys.stderr, flush=True)
+
+
+def how_it_ended(status: int) -> str:
+    """``killed by SIGSEGV (Segmentation fault)`` or ``exited with status 3``, from a wait status."""
+    if os.WIFSIGNALED(status):
+        number = os.WTERMSIG(status)
+        try:
+            name = signal.Signals(number).name
+        except ValueError:
+            name = f"signal {number}"
+        description = signal.strsignal(number)
+        return f"killed by {name}" + (f" ({description})" if description else "")
+    return f"exited with status {os.WEXITSTATUS(status)}"
 
 
 if __name__ == "__main__":
