@@ -19,7 +19,7 @@ import pytest
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
-from ddp_magics.cluster import CLUSTERS_ROOT_NAME, stop_stray_clusters
+from ddp_magics.cluster import CLUSTERS_ROOT_NAME, HostSpec, stop_stray_clusters
 from ddp_magics.engine.zygote import SOCKET_NAME
 from ddp_magics.lifetime import Lifeline, Owner
 from ddp_magics.output import MAX_SHOWN_CHARS, RankOutput, live_html
@@ -398,3 +398,8 @@ def test_strays_of_another_machine_are_left_and_of_an_earlier_boot_removed(temp_
     assert stop_stray_clusters() == []
     assert elsewhere.exists()
     assert not earlier_boot.exists()
+
+
+def test_ssh_reads_no_host_as_an_option():
+    assert HostSpec("ada@node-1:2222", 2).ssh_target == ["-p", "2222", "--", "ada@node-1"]
+    assert HostSpec("node-1", 1).ssh_target == ["--", "node-1"]
