@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import html
 import ipaddress
+import keyword
 import math
 import os
 import re
@@ -17,7 +18,7 @@ from collections.abc import Callable
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
-from traitlets import Bool, Dict, Enum, Float, Integer, List, Unicode
+from traitlets import Bool, Dict, Enum, Float, Integer, List, TraitError, Unicode, validate
 
 from ddp_magics import cluster as cluster_module
 from ddp_magics.cluster import BACKENDS, LAUNCHERS, CellRun, ClusterError, HostSpec, Progress, RankCluster
@@ -42,15 +43,18 @@ TRACE_ARRIVAL_SECONDS = 2.0
 ENDED_DONE, ENDED_TIMEOUT, ENDED_AFTER_ERROR, ENDED_INTERRUPT = "done", "timeout", "error", "interrupt"
 
 
+_RANK_RANGE = re.compile(r"\s*(-?[0-9]+)\s*(?:-\s*(-?[0-9]+)\s*)?")
+
+
 def parse_rank_spec(spec: str, world_size: int) -> list[int]:
     """``0``, ``0,2``, ``1-3`` or a mix like ``0,2-3`` -> sorted ranks; UsageError if invalid."""
     ranks: set[int] = set()
     for part in spec.split(","):
-        first, _, last = part.strip().partition("-")
+        match = _RANK_RANGE.fullmatch(part)
         try:
-            low = int(first)
-            high = int(last) if last else low
-        except ValueError:
+            low = int(match[1])
+            high = int(match[2]) if match[2] else low
+        except (TypeError, ValueError):  # no match, or more digits than int() reads
             raise usage_error(f"--ranks {spec!r}: expected ranks like 0, 0,2 or 1-3") from None
         if low > high:
             raise usage_error(f"--ranks {spec!r}: {low}-{high} is an empty range")
@@ -61,12 +65,6 @@ def parse_rank_spec(spec: str, world_size: int) -> list[int]:
                 f"this cluster has ranks {format_ranks(list(range(world_size)))}"
             )
         ranks.update(range(low, high + 1))
-    missing = sorted(rank for rank in ranks if not 0 <= rank < world_size)
-    if missing:
-        raise usage_error(
-            f"--ranks {spec!r}: {rank_label(missing)} does not exist; "
-            f"this cluster has ranks {format_ranks(list(range(world_size)))}"
-        )
     return sorted(ranks)
 
 
@@ -75,12 +73,18 @@ MAX_TIMEOUT_SECONDS = 30 * 24 * 3600
 MAX_WORLD_SIZE = 65536
 
 
+def timeout_problem(seconds: float) -> str | None:
+    """Why ``seconds`` is not a usable timeout, or None."""
+    if math.isfinite(seconds) and 0 < seconds <= MAX_TIMEOUT_SECONDS:
+        return None
+    return f"must be more than 0 seconds and at most {MAX_TIMEOUT_SECONDS} (30 days)"
+
+
 def checked_timeout(option: str, seconds: float) -> float:
     """``seconds`` if it is a usable timeout; UsageError naming ``option`` otherwise."""
-    if not math.isfinite(seconds) or seconds <= 0 or seconds > MAX_TIMEOUT_SECONDS:
-        raise usage_error(
-            f"{option} {seconds:g}: must be more than 0 seconds and at most {MAX_TIMEOUT_SECONDS:g} (30 days)"
-        )
+    problem = timeout_problem(seconds)
+    if problem:
+        raise usage_error(f"{option} {seconds:g}: {problem}")
     return seconds
 
 
@@ -90,6 +94,14 @@ def local_addresses() -> list[str]:
 
     entries = [entry for interface in psutil.net_if_addrs().values() for entry in interface]
     return sorted({entry.address for entry in entries if entry.family == socket.AF_INET})
+
+
+def is_local_address(address: str) -> bool:
+    return address.startswith("127.") or address in local_addresses()
+
+
+def is_variable_name(name: str) -> bool:
+    return name.isidentifier() and not keyword.iskeyword(name)
 
 
 def _traced_call(trace: Trace | None, rank: int) -> str | None:
@@ -114,7 +126,7 @@ def parse_hosts(spec: str) -> list[HostSpec]:
         location, colon, count = part.strip().rpartition(":")
         if not colon:
             location, count = count, "1"
-        if not location or not count.isdigit() or not 1 <= int(count) <= MAX_RANKS_PER_HOST:
+        if not location or not re.fullmatch("[0-9]+", count) or not 1 <= int(count) <= MAX_RANKS_PER_HOST:
             raise usage_error(f"--hosts {spec!r}: expected hosts like nodeA:2,nodeB:2 (host:ranks)")
         if not SSH_LOCATION.fullmatch(location) or not 0 < int(location.partition(":")[2] or 1) < 65536:
             raise usage_error(
@@ -127,6 +139,26 @@ def parse_hosts(spec: str) -> list[HostSpec]:
     if twice:
         raise usage_error(f"--hosts {spec!r}: {', '.join(twice)} given twice; list each host once")
     return hosts
+
+
+def host_addresses(hosts: list[HostSpec]) -> list[str]:
+    """Each host's IPv4 address, resolved here; UsageError for an unknown host or for two hosts
+    that are one (``localhost`` and ``127.0.0.1``): ranks are placed by address."""
+    addresses = []
+    for host in hosts:
+        try:
+            addresses.append(socket.getaddrinfo(host.name, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0])
+        except socket.gaierror as error:
+            raise usage_error(f"--hosts: unknown host {host.name!r}: {error.strerror}") from None
+        except UnicodeError:  # a label longer than DNS allows
+            raise usage_error(f"--hosts: unknown host {host.name!r}: not a valid host name") from None
+    for i, address in enumerate(addresses):
+        if address in addresses[:i]:
+            first = hosts[addresses.index(address)].name
+            raise usage_error(
+                f"--hosts: {first} and {hosts[i].name} are the same host ({address}); list each host once"
+            )
+    return addresses
 
 
 @magics_class
@@ -204,6 +236,39 @@ class DistributedMagics(Magics):
         Unicode(), [], config=True, help="mpiexec command for --engines mpi (default: the mpi extra's MPICH)."
     )
 
+    @validate("cell_timeout", "process_group_timeout")
+    def _usable_timeout(self, proposal):
+        problem = timeout_problem(proposal.value)
+        if problem:
+            raise TraitError(f"DistributedMagics.{proposal.trait.name} = {proposal.value!r}: {problem}")
+        return proposal.value
+
+    @validate("error_grace", "interrupt_grace", "live_view_after")
+    def _usable_wait(self, proposal):
+        if not (math.isfinite(proposal.value) and 0 <= proposal.value <= MAX_TIMEOUT_SECONDS):
+            raise TraitError(
+                f"DistributedMagics.{proposal.trait.name} = {proposal.value!r}: must be from 0 seconds "
+                f"to {MAX_TIMEOUT_SECONDS} (30 days)"
+            )
+        return proposal.value
+
+    @validate(
+        "default_world_size", "max_local_ranks", "heartbeat_ms", "max_output_lines", "trace_values_limit"
+    )
+    def _count_in_range(self, proposal):
+        low, high = {
+            "default_world_size": (1, MAX_WORLD_SIZE),
+            "max_local_ranks": (1, MAX_WORLD_SIZE),
+            "heartbeat_ms": (10, cluster_module.HEARTBEAT_SILENCE_MS),
+            "max_output_lines": (0, None),
+            "trace_values_limit": (0, None),
+        }[proposal.trait.name]
+        value = proposal.value
+        if value is not None and not (low <= value and (high is None or value <= high)):
+            limits = f"from {low} to {high}" if high is not None else f"at least {low}"
+            raise TraitError(f"DistributedMagics.{proposal.trait.name} = {value!r}: must be {limits}")
+        return value
+
     def __init__(self, shell=None, **kwargs) -> None:
         super().__init__(shell=shell, **kwargs)
         self.cluster: RankCluster | None = None
@@ -241,40 +306,57 @@ class DistributedMagics(Magics):
             raise usage_error("--engines ssh needs --hosts, e.g. --hosts nodeA:2,nodeB:2")
         controller_ip = args.ip if args.ip is not None else self.controller_ip
         if controller_ip is not None:
+            option = "--ip" if args.ip is not None else "DistributedMagics.controller_ip ="
             try:
                 ipaddress.IPv4Address(controller_ip)
             except ValueError:
-                raise usage_error(f"--ip {controller_ip!r}: expected an IPv4 address of this host") from None
+                raise usage_error(
+                    f"{option} {controller_ip!r}: expected an IPv4 address of this host"
+                ) from None
             addresses = local_addresses()
             if controller_ip != "0.0.0.0" and controller_ip not in addresses:
                 raise usage_error(
-                    f"--ip {controller_ip}: not an address of this machine (it has {', '.join(addresses)})"
+                    f"{option} {controller_ip}: not an address of this machine "
+                    f"(it has {', '.join(addresses)})"
                 )
+        elif engines == "slurm":
+            raise usage_error("--engines slurm needs --ip: an address of this host that the nodes reach")
         gpus = cluster_module.visible_gpu_count() if engines == "local" else None
-        world_size = args.n if args.n is not None else self.default_world_size
+        world_size, asked = args.n, f"-n {args.n}"
         if hosts:
             listed = sum(host.ranks for host in hosts)
             if args.n is not None and args.n != listed:
                 raise usage_error(f"-n {args.n}, but --hosts {args.hosts} gives {listed} ranks: leave -n out")
-            world_size = listed
-        if world_size is None:
+            world_size, asked = listed, f"--hosts {args.hosts} ({listed} ranks)"
+        elif world_size is None and self.default_world_size is not None:
+            world_size = self.default_world_size
+            asked = f"DistributedMagics.default_world_size = {world_size}"
+        elif world_size is None:
             world_size = gpus or 2
+            asked = f"-n {world_size} (the default)"
         if world_size < 1:
-            raise usage_error(f"-n {world_size}: a cluster needs at least 1 rank")
-        if engines == "local" and world_size > self.max_local_ranks:
-            raise usage_error(
-                f"-n {world_size}: more ranks than this machine runs at once (at most "
-                f"{self.max_local_ranks}; %config DistributedMagics.max_local_ranks = N to allow more)"
-            )
+            raise usage_error(f"{asked}: a cluster needs at least 1 rank")
+        if engines == "local" or (engines == "mpi" and not hosts):
+            self._check_local_ranks(asked, world_size)
         if world_size > MAX_WORLD_SIZE:
-            raise usage_error(f"-n {world_size}: at most {MAX_WORLD_SIZE} ranks")
+            raise usage_error(f"{asked}: at most {MAX_WORLD_SIZE} ranks")
         if backend == "nccl" and gpus is not None and gpus < world_size:
             raise usage_error(
                 f"--backend nccl needs one GPU per rank: {world_size} ranks, {gpus} GPUs visible"
             )
-        timeout = checked_timeout(
-            "--timeout", args.timeout if args.timeout is not None else self.process_group_timeout
+        timeout = (
+            checked_timeout("--timeout", args.timeout)
+            if args.timeout is not None
+            else self.process_group_timeout
         )
+        if hosts:
+            addresses = host_addresses(hosts)
+            here = [host for host, address in zip(hosts, addresses) if is_local_address(address)]
+            if here:
+                self._check_local_ranks(
+                    "--hosts " + ",".join(f"{host.location}:{host.ranks}" for host in here),
+                    sum(host.ranks for host in here),
+                )
         self.report_strays()
         self._last_config = dict(
             n=world_size,
@@ -285,6 +367,13 @@ class DistributedMagics(Magics):
             controller_ip=controller_ip,
         )
         self._start(self._new_cluster())
+
+    def _check_local_ranks(self, asked: str, ranks: int) -> None:
+        if ranks > self.max_local_ranks:
+            raise usage_error(
+                f"{asked}: more ranks than this machine runs at once (at most {self.max_local_ranks}; "
+                "%config DistributedMagics.max_local_ranks = N to allow more)"
+            )
 
     def _new_cluster(self) -> RankCluster:
         """A cluster as the last %dist_start asked for."""
@@ -385,12 +474,13 @@ class DistributedMagics(Magics):
     def distributed(self, line: str, cell: str) -> None:
         """Run the cell on every rank (or --ranks) and show the output in rank order."""
         args = parse_argstring(self.distributed, line)
-        if args.trace is not None and not args.trace.isidentifier():
+        if args.trace is not None and not is_variable_name(args.trace):
             raise usage_error(f"--trace {args.trace!r}: expected a variable name")
-        timeout = args.timeout if args.timeout is not None else self.cell_timeout
-        timeout = checked_timeout("--timeout", timeout)
+        timeout = (
+            checked_timeout("--timeout", args.timeout) if args.timeout is not None else self.cell_timeout
+        )
         cluster = self._ready_cluster()
-        ranks = parse_rank_spec(args.ranks, cluster.n) if args.ranks else list(range(cluster.n))
+        ranks = parse_rank_spec(args.ranks, cluster.n) if args.ranks is not None else list(range(cluster.n))
         traced = args.diagram or args.trace is not None
         if traced:
             try:
@@ -568,6 +658,8 @@ class DistributedMagics(Magics):
         names = line.split()
         if len(names) != 1:
             raise usage_error("%dist_pull takes exactly one variable name")
+        if not is_variable_name(names[0]):
+            raise usage_error(f"%dist_pull {names[0]!r}: expected a variable name")
         cluster = self._ready_cluster()
         try:
             return cluster.pull(names[0])
