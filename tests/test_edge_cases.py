@@ -27,7 +27,7 @@ def test_ctrl_c_during_start_leaves_nothing_and_the_next_start_works(ip):
     magics = current_magics(ip)
     assert magics.cluster is None
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))  # start takes seconds
     timer.start()
     try:
         with pytest.raises(KeyboardInterrupt), capture_output():
