@@ -51,21 +51,23 @@ class RankOutput:
         return (self.stdout, self.stderr, self.result_text, displays)
 
 
-def tail(text: str, max_lines: int, max_chars: int = MAX_SHOWN_CHARS, count_dropped: bool = True) -> str:
-    """The last ``max_lines`` lines of ``text``, and of those at most the last ``max_chars``
-    characters, with a note of what was dropped. Only the kept end of ``text`` is read, and with
-    ``count_dropped`` the dropped part once more to count it (the live view, which asks again
-    every half second while the output grows, does not count)."""
-    window_start = max(0, len(text) - max_chars)
-    position = len(text) - 1 if text.endswith("\n") else len(text)
-    for _ in range(max_lines):
-        newline = text.rfind("\n", window_start, position)
-        if newline < 0:
-            start = window_start
-            break
-        position = newline
-    else:
-        start = position + 1
+def tail(
+    text: str, max_lines: int | None, max_chars: int = MAX_SHOWN_CHARS, count_dropped: bool = True
+) -> str:
+    """The last ``max_lines`` lines of ``text`` (all of them with None), and of those at most the
+    last ``max_chars`` characters, with a note of what was dropped. Only the kept end of ``text``
+    is read, and with ``count_dropped`` the dropped part once more to count it (the live view,
+    which asks again every half second while the output grows, does not count)."""
+    start = window_start = max(0, len(text) - max_chars)
+    if max_lines is not None:
+        position = len(text) - 1 if text.endswith("\n") else len(text)
+        for _ in range(max_lines):
+            newline = text.rfind("\n", window_start, position)
+            if newline < 0:
+                break
+            position = newline
+        else:
+            start = position + 1
     if start == 0:
         return text
     if not count_dropped:
@@ -180,7 +182,8 @@ def render(outputs: list[RankOutput], collapse: bool = True, max_lines: int = 20
             ranks=ranks,
             stdout=tail(output.stdout, max_lines),
             stderr=tail(output.stderr, max_lines),
-            result_text=output.result_text,
+            # A value's text is not cut to lines, only when huge: a model's repr can be long.
+            result_text=tail(output.result_text, max_lines=None),
         )
 
     if not any(output.rich_displays for _, output in groups):
