@@ -142,3 +142,19 @@ def test_a_rank_that_dies_is_reported_with_how_and_where(ip, healthy, ending, ho
         assert '      File "ctypes/__init__.py", in string_at' in report
     with capture_output():
         ip.run_line_magic("dist_restart", "")
+
+
+def test_fifty_restarts_after_a_hang_in_a_row(ip, healthy):
+    """A restart is the way out of a hang; it must never fail. Each new rendezvous listens on a
+    port the system gives, held from bind to listen, so no old holder can be in its way."""
+    ports = set()
+    for _ in range(50):
+        _, error = run_cell(ip, "--timeout 0.5", "if rank == 0:\n    dist.recv(torch.zeros(1), src=1)")
+        assert isinstance(error, DistributedCellError)
+        with capture_output():
+            ip.run_line_magic("dist_restart", "")
+        check = "import os\nt = torch.ones(1)\ndist.all_reduce(t)\nprint(os.environ['MASTER_PORT'])"
+        captured, error = run_cell(ip, "", check)
+        assert error is None
+        ports.add(shown_text(captured).splitlines()[-1])
+    assert len(ports) > 1  # a fresh port, not one reused by a fixed choice
