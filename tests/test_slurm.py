@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,10 @@ def test_two_ranks_as_a_slurm_job_with_output_a_hang_report_and_stop(ip):
                 ip.run_line_magic("dist_stop", "")
             ip.run_line_magic("config", "DistributedMagics.launcher_settings = {}")
         assert_gone(processes)
+        # slurmd tells slurmctld the job ended after its processes did: give the queue a moment.
+        deadline = time.monotonic() + 10
+        while slurm.jobs() and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert slurm.jobs() == []
     assert slurm.left_at_exit == []
     assert set(Path.cwd().iterdir()) == files_here  # the job script went into the cluster's directory
