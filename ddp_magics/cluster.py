@@ -345,7 +345,7 @@ class RankCluster:
             raise ClusterError("--engines slurm needs --ip: an address of this host that the nodes reach")
         remote = {}
         for host in self.hosts:
-            address = _ipv4_address(host.name)
+            address = ipv4_address(host.name)
             if not address.startswith("127."):
                 remote[host.location] = rank_code.address_towards(address)
         sources = sorted(set(remote.values()))
@@ -528,7 +528,7 @@ class RankCluster:
 
     def _host_by_host(self, engine_ids: list[int], probes: list) -> tuple[list[int], list]:
         """Engines ordered host by host (in the order of the host list), by engine id within a host."""
-        listed = [_ipv4_address(host.name) for host in self.hosts]
+        listed = [ipv4_address(host.name) for host in self.hosts]
         addresses = [probe.address for probe in probes]
         first_seen = list(dict.fromkeys(addresses))
 
@@ -784,12 +784,14 @@ def _wait_for_exit(
     wait_for_exit(processes, timeout=timeout)
 
 
-def _ipv4_address(host: str) -> str:
+def ipv4_address(host: str) -> str:
     """``host``'s IPv4 address (the name resolved here); ClusterError if it has none."""
     try:
         return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
     except socket.gaierror as error:
         raise ClusterError(f"unknown host {host!r}: {error.strerror}") from None
+    except UnicodeError:  # a label longer than DNS allows
+        raise ClusterError(f"unknown host {host!r}: not a valid host name") from None
 
 
 def _mpiexec() -> str:

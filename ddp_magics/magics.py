@@ -144,14 +144,10 @@ def parse_hosts(spec: str) -> list[HostSpec]:
 def host_addresses(hosts: list[HostSpec]) -> list[str]:
     """Each host's IPv4 address, resolved here; UsageError for an unknown host or for two hosts
     that are one (``localhost`` and ``127.0.0.1``): ranks are placed by address."""
-    addresses = []
-    for host in hosts:
-        try:
-            addresses.append(socket.getaddrinfo(host.name, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0])
-        except socket.gaierror as error:
-            raise usage_error(f"--hosts: unknown host {host.name!r}: {error.strerror}") from None
-        except UnicodeError:  # a label longer than DNS allows
-            raise usage_error(f"--hosts: unknown host {host.name!r}: not a valid host name") from None
+    try:
+        addresses = [cluster_module.ipv4_address(host.name) for host in hosts]
+    except ClusterError as error:
+        raise usage_error(f"--hosts: {error}") from None
     for i, address in enumerate(addresses):
         if address in addresses[:i]:
             first = hosts[addresses.index(address)].name
