@@ -1,9 +1,20 @@
-"""The lessons' exercise checkers fail the obvious wrong answers and still pass the reference solutions.
+"""The lessons' exercise checkers fail the obvious wrong answers and pass the reference solutions, and
+they test the learner's own answer when the notebook runs from top to bottom.
 
-Each test runs, on a real gloo cluster, the lesson's own cells that its checker needs, then a solution and
-the lesson's checker cell, and reads every rank's verdict. Cells are found by their text (the checker by
-"# Checker for exercise N", the solution by "# Reference solution to exercise N"), so the tests follow
-edits to the lessons. Lesson 04 runs on 4 ranks, as in the lesson; the others on the module's 2 ranks.
+Every exercise has three cells, in this order: the learner's stub ("# Exercise N: your answer"), which
+keeps the exercise's names; the checker ("# Checker for exercise N"), which tests those names; the
+reference solution ("# Reference solution to exercise N"), whose names end in ``_reference`` so that it
+never replaces the learner's answer. Two kinds of tests, on real gloo clusters:
+
+- ``assert_checker``: a wrong answer, then the reference (its names given back), each followed by the
+  checker.
+- ``assert_run_all``: the lesson's exercise cells run in the notebook's order (stub, checker, reference,
+  next stub, ...), with every stub replaced by a known-wrong answer, then by the reference's code: every
+  checker must say "not yet" to the first and "pass" to the second. A reference that ran before its
+  checker, or a cell that redefined the learner's names before the checker, fails it.
+
+Cells are found by their text, so the tests follow edits to the lessons. Lesson 04 runs on 4 ranks, as in
+the lesson; the others on the module's 2 ranks.
 """
 
 from __future__ import annotations
@@ -36,7 +47,8 @@ def on_ranks(ip, code: str) -> str:
 
 
 def verdicts(text: str, exercise: int) -> dict[int, str]:
-    """``{rank: "pass" or "fail"}`` from the rank blocks (``[rank 1]``, ``[ranks 0,1]``, ``[ranks 0-3]``)."""
+    """``{rank: "pass" or "fail"}`` from the rank blocks (``[rank 1]``, ``[ranks 0,1]``, ``[ranks 0-3]``);
+    a checker prints ``exercise N: pass`` or ``exercise N: not yet: ...`` (read as "fail")."""
     found: dict[int, str] = {}
     ranks: list[int] = []
     for line in text.splitlines():
@@ -45,8 +57,8 @@ def verdicts(text: str, exercise: int) -> dict[int, str]:
             for part in header[1].split(","):
                 first, _, last = part.partition("-")
                 ranks += range(int(first), int(last or first) + 1)
-        elif verdict := re.fullmatch(rf"exercise {exercise}: (pass|fail)", line):
-            found.update(dict.fromkeys(ranks, verdict[1]))
+        elif verdict := re.fullmatch(rf"exercise {exercise}: (pass|not yet: .+)", line):
+            found.update(dict.fromkeys(ranks, "pass" if verdict[1] == "pass" else "fail"))
     return found
 
 
@@ -59,11 +71,57 @@ def check(ip, lesson: str, exercise: int, solution: str, world_size: int) -> dic
     return found
 
 
+def reference_answer(lesson: str, exercise: int) -> str:
+    """The lesson's reference solution to ``exercise``, under the exercise's own names."""
+    reference = lesson_cell(lesson, f"# Reference solution to exercise {exercise}")
+    return re.sub(r"\b(\w+)_reference\b", r"\1", reference)
+
+
 def assert_checker(ip, lesson: str, exercise: int, wrong: str, world_size: int) -> None:
     """The checker fails ``wrong`` on every rank and passes the lesson's reference solution on every rank."""
     assert set(check(ip, lesson, exercise, wrong, world_size).values()) == {"fail"}
-    reference = lesson_cell(lesson, f"# Reference solution to exercise {exercise}")
+    reference = reference_answer(lesson, exercise)
     assert set(check(ip, lesson, exercise, reference, world_size).values()) == {"pass"}
+
+
+def exercise_cells(lesson: str) -> list[str]:
+    """The lesson's code cells from the first exercise's stub to the last reference solution, in order."""
+    notebook = nbformat.read(NOTEBOOKS / f"{lesson}.ipynb", as_version=4)
+    code = [cell.source for cell in notebook.cells if cell.cell_type == "code"]
+    first = next(i for i, source in enumerate(code) if "# Exercise 1: your answer" in source)
+    last = max(i for i, source in enumerate(code) if "# Reference solution to exercise" in source)
+    return code[first : last + 1]
+
+
+def run_in_order(ip, lesson: str, answers: dict[int, str]) -> dict[int, dict[int, str]]:
+    """Run the lesson's exercise cells in the notebook's order, each stub replaced by ``answers[N]`` (a
+    ``%%distributed`` stub stays one); ``{exercise: {rank: "pass" or "fail"}}`` from every checker. A checker
+    that runs in the notebook (not on the ranks) counts as rank 0."""
+    found: dict[int, dict[int, str]] = {}
+    stubs = []
+    for source in exercise_cells(lesson):
+        if stub := re.search(r"# Exercise (\d+): your answer", source):
+            stubs.append(int(stub[1]))
+            first = source.partition("\n")[0]
+            source = (first + "\n" if first.startswith("%%distributed") else "") + answers[int(stub[1])]
+        with capture_output() as captured:
+            result = ip.run_cell(source)
+        shown = shown_text(captured) if source.startswith("%%distributed") else "[rank 0]\n" + captured.stdout
+        assert result.error_in_exec is None and result.error_before_exec is None, (lesson, source, shown)
+        if checker := re.search(r"# Checker for exercise (\d+)", source):
+            found[int(checker[1])] = verdicts(shown, int(checker[1]))
+    assert sorted(stubs) == sorted(answers) == sorted(found), (lesson, stubs, sorted(found))
+    return found
+
+
+def assert_run_all(ip, lesson: str, wrong: dict[int, str], world_size: int) -> None:
+    """Run All, with the stubs replaced by ``wrong`` answers, then by the reference solutions: every checker
+    says "not yet" to the first and "pass" to the second, on every rank (a notebook checker: rank 0 only)."""
+    right = {exercise: reference_answer(lesson, exercise) for exercise in wrong}
+    for answers, expected in ((wrong, "fail"), (right, "pass")):
+        for exercise, per_rank in run_in_order(ip, lesson, answers).items():
+            assert per_rank and set(per_rank) <= set(range(world_size)), (lesson, exercise, per_rank)
+            assert set(per_rank.values()) == {expected}, (lesson, exercise, expected, per_rank)
 
 
 # lesson 04: the ring, not a built-in collective
@@ -102,8 +160,10 @@ def test_04_ring_exercises_must_use_the_ring(ip):
         for (exercise, name), wrong in RING_WRONG.items():
             assert set(check(ip, "04_ring_allreduce", exercise, wrong, 4).values()) == {"fail"}, name
         for exercise in (1, 2, 3):
-            reference = lesson_cell("04_ring_allreduce", f"# Reference solution to exercise {exercise}")
+            reference = reference_answer("04_ring_allreduce", exercise)
             assert set(check(ip, "04_ring_allreduce", exercise, reference, 4).values()) == {"pass"}, exercise
+        first_wrong = {exercise: RING_WRONG[exercise, name] for exercise, name in reversed(RING_WRONG)}
+        assert_run_all(ip, "04_ring_allreduce", first_wrong, 4)
 
 
 # lesson 00: one all_reduce, not a value by hand
@@ -125,6 +185,36 @@ def count_ranks():
 @pytest.mark.parametrize("wrong", list(COUNT_WRONG))
 def test_00_count_ranks_must_all_reduce(ip, cluster, wrong):
     assert_checker(ip, "00_start_here", 2, COUNT_WRONG[wrong], 2)
+
+
+def test_00_run_all_checks_the_learners_answers(ip, cluster):
+    three = "mine = torch.full((3,), float(rank ** 2))  # three elements, not four"
+    wrong = {1: three, 2: COUNT_WRONG["value by hand"]}
+    assert_run_all(ip, "00_start_here", wrong, 2)
+
+
+# lesson 02: point-to-point only (no setup: the checkers need rank, world_size, device)
+
+P2P_WRONG = {
+    1: """
+def pass_token():
+    return 0.0  # nothing passed
+""",
+    2: """
+def gather_to_zero(t):
+    pieces = [torch.zeros_like(t) for _ in range(world_size)]
+    dist.all_gather(pieces, t)  # a collective, not send/recv
+    return pieces if rank == 0 else None
+""",
+    3: """
+def exchange_with_neighbours(t):
+    return t.clone(), t.clone()  # nothing exchanged
+""",
+}
+
+
+def test_02_run_all_checks_the_learners_answers(ip, cluster):
+    assert_run_all(ip, "02_point_to_point", P2P_WRONG, 2)
 
 
 # lesson 05: weighted average through all_reduce
@@ -155,6 +245,21 @@ def test_05_weighted_average_must_communicate(ip, cluster, wrong):
     assert_checker(ip, "05_distributed_sgd", 2, WEIGHTED_WRONG[wrong], 2)
 
 
+def test_05_run_all_checks_the_learners_answers(ip, cluster):
+    for text in ("X_full, y_full = make_data()", "X = X_all.tensor_split"):
+        on_ranks(ip, lesson_cell("05_distributed_sgd", text))
+    summed = """
+def average_gradients_flat(model):
+    flat = torch.cat([p.grad.flatten() for p in model.parameters()])
+    dist.all_reduce(flat)  # summed, never divided by world_size
+    offset = 0
+    for p in model.parameters():
+        p.grad.copy_(flat[offset:offset + p.grad.numel()].view_as(p.grad))
+        offset += p.grad.numel()
+"""
+    assert_run_all(ip, "05_distributed_sgd", {1: summed, 2: WEIGHTED_WRONG["total written in by hand"]}, 2)
+
+
 # lesson 06: your own comm hook, not the built-in one
 
 HOOK_WRONG = {
@@ -177,6 +282,41 @@ def test_06_comm_hook_must_be_your_own(ip, cluster, wrong):
     assert_checker(ip, "06_ddp", 2, HOOK_WRONG[wrong], 2)
 
 
+def test_06_run_all_checks_the_learners_answers(ip, cluster):
+    for text in ("def wrap(", "def close("):
+        on_ranks(ip, lesson_cell("06_ddp", text))
+    untrained = "ddp_ex1 = wrap(make_model(seed=3))  # wrapped, never trained"
+    assert_run_all(ip, "06_ddp", {1: untrained, 2: HOOK_WRONG["built-in allreduce_hook"]}, 2)
+
+
+# lesson 07: the sampler's indices, a new order every epoch
+
+SAMPLER_WRONG = {
+    1: """
+import math
+
+
+def my_indices(n, rank, world_size):
+    per_rank = math.ceil(n / world_size)
+    return list(range(rank * per_rank, min(n, (rank + 1) * per_rank)))  # blocks, not strided
+""",
+    2: """
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+data_ex2 = TensorDataset(torch.arange(24))
+loader_ex2 = DataLoader(data_ex2, batch_size=6 // world_size, sampler=DistributedSampler(data_ex2, seed=7))
+
+
+def epoch_order(epoch):
+    return [i for (batch,) in loader_ex2 for i in batch.tolist()]  # no set_epoch: the same order every epoch
+""",
+}
+
+
+def test_07_run_all_checks_the_learners_answers(ip, cluster):
+    assert_run_all(ip, "07_data_loading", SAMPLER_WRONG, 2)
+
+
 # lesson 08: only rank 0 writes the file
 
 
@@ -193,3 +333,16 @@ def save_with_global_loss(path, loss):
     dist.barrier()
 """
     assert_checker(ip, "08_checkpointing", 2, every_rank_writes, 2)
+    no_optimizer = """
+def save_checkpoint(path, model, opt, step):
+    if rank == 0:
+        torch.save({"step": step, "model": model.module.state_dict()}, path)  # no optimizer state
+    dist.barrier()
+
+
+def load_checkpoint(path, model, opt):
+    checkpoint = torch.load(path, map_location=device)
+    model.module.load_state_dict(checkpoint["model"])
+    return checkpoint["step"]
+"""
+    assert_run_all(ip, "08_checkpointing", {1: no_optimizer, 2: every_rank_writes}, 2)

@@ -6,7 +6,7 @@ lesson's own cells, found by their text). Lessons 01 and 03 run on 4 ranks, as i
 from __future__ import annotations
 
 from tests.conftest import running_cluster
-from tests.test_checkers import assert_checker, check, lesson_cell, on_ranks
+from tests.test_checkers import assert_checker, assert_run_all, check, lesson_cell, on_ranks, reference_answer
 
 # lesson 01: the even ranks, rank arithmetic, re-forming the world
 
@@ -43,6 +43,7 @@ def test_01_checkers_fail_wrong_answers_and_pass_the_reference(ip):
         on_ranks(ip, lesson_cell("01_process_groups", "def free_port("))  # also re-forms the group on tcp://
         for exercise, wrong in LESSON_01_WRONG.items():
             assert_checker(ip, "01_process_groups", exercise, wrong, 4)
+        assert_run_all(ip, "01_process_groups", LESSON_01_WRONG, 4)
 
 
 # lesson 03: one all_reduce for mean and std, all-gather from broadcasts only, argmax's smallest owner
@@ -81,8 +82,10 @@ def test_03_checkers_fail_wrong_answers_and_pass_the_reference(ip):
         for (exercise, name), wrong in LESSON_03_WRONG.items():
             assert set(check(ip, "03_collectives", exercise, wrong, 4).values()) == {"fail"}, name
         for exercise in (1, 2, 3):
-            reference = lesson_cell("03_collectives", f"# Reference solution to exercise {exercise}")
+            reference = reference_answer("03_collectives", exercise)
             assert set(check(ip, "03_collectives", exercise, reference, 4).values()) == {"pass"}, exercise
+        first = {exercise: LESSON_03_WRONG[exercise, name] for exercise, name in reversed(LESSON_03_WRONG)}
+        assert_run_all(ip, "03_collectives", first, 4)
 
 
 # lesson 09: the cut moved inside DDP, the split checkpoint loaded on one device
@@ -128,5 +131,8 @@ def test_09_checkers_fail_wrong_answers_and_pass_the_reference(ip):
         for (exercise, name), wrong in LESSON_09_WRONG.items():
             assert set(check(ip, lesson, exercise, wrong, 2).values()) == {"fail"}, name
         for exercise in (1, 2):
-            reference = lesson_cell(lesson, f"# Reference solution to exercise {exercise}")
+            reference = reference_answer(lesson, exercise)
             assert set(check(ip, lesson, exercise, reference, 2).values()) == {"pass"}, exercise
+        wrong = {exercise: LESSON_09_WRONG[exercise, name] for exercise, name in reversed(LESSON_09_WRONG)}
+        wrong[1] = LESSON_09_WRONG[1, "not wrapped in DDP"]  # the other wrong one needs this one's class
+        assert_run_all(ip, lesson, wrong, 2)

@@ -1,9 +1,27 @@
-"""Helpers the lessons use to show what an op does without running it.
+"""Helpers the lessons use to show what an op does without running it, and the exercises' verdict.
 
     from ddp_magics.lessons import draw_op, simulated_trace, RingStepper
+    from ddp_magics.lessons.exercises import verdict
+
+The drawing helpers are imported when first used, so that a rank that only needs ``verdict`` does not load
+matplotlib and the widgets.
 """
 
-from ddp_magics.lessons.ring_stepper import RingStepper, ring_allreduce_states
-from ddp_magics.lessons.simulate import draw_op, simulated_trace
+from __future__ import annotations
+
+import importlib
+
+_WHERE = {
+    "RingStepper": "ddp_magics.lessons.ring_stepper",
+    "ring_allreduce_states": "ddp_magics.lessons.ring_stepper",
+    "draw_op": "ddp_magics.lessons.simulate",
+    "simulated_trace": "ddp_magics.lessons.simulate",
+}
 
 __all__ = ["RingStepper", "draw_op", "ring_allreduce_states", "simulated_trace"]
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
