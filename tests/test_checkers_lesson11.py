@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_checkers import assert_checker, lesson_cell, on_ranks
+from tests.test_checkers import assert_checker, assert_run_all, lesson_cell, on_ranks
 
 LESSON = "11_ddp_internals_and_bandwidth"
 
@@ -82,3 +82,8 @@ def helpers(ip, cluster):
 @pytest.mark.parametrize("exercise, wrong", list(WRONG), ids=[f"{e}-{w}" for e, w in WRONG])
 def test_11_checkers(ip, cluster, helpers, exercise, wrong):
     assert_checker(ip, LESSON, exercise, WRONG[exercise, wrong], 2)
+
+
+def test_11_run_all_checks_the_learners_answers(ip, cluster, helpers):
+    first = {exercise: WRONG[exercise, name] for exercise, name in reversed(WRONG)}
+    assert_run_all(ip, LESSON, first, 2)

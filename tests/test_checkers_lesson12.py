@@ -10,7 +10,7 @@ import pytest
 from IPython.utils.capture import capture_output
 
 from tests.conftest import running_cluster
-from tests.test_checkers import assert_checker, lesson_cell, on_ranks
+from tests.test_checkers import assert_checker, assert_run_all, lesson_cell, on_ranks
 
 LESSON = "12_debugging"
 
@@ -31,7 +31,7 @@ def lesson_ranks(ip, tmp_path_factory):
 TRAIN_WRONG = {
     "the broken job as given (rank 0 hangs in its third all_reduce)": lesson_cell(
         LESSON, "The job to diagnose"
-    ),
+    ).replace("def broken_train_job(", "def train_job("),
     "no communication at all (no hang, ranks drift apart)": """
 from torch import nn
 
@@ -73,6 +73,29 @@ def train_job(group=None):
         opt.step()
     return model
 """,
+    "summed gradients, not averaged (the fix that lets rank 1 join with zeros)": """
+from torch import nn
+
+
+def train_job(group=None):
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1).to(device)
+    X = torch.randn(9, 3, generator=torch.Generator().manual_seed(1)).to(device)
+    y = X.sum(1, keepdim=True)
+    mine = range(rank, len(X), dist.get_world_size(group))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for start in range(0, 6, 2):  # 3 steps on every rank
+        batch = list(mine[start:start + 2])
+        opt.zero_grad()
+        if batch:
+            nn.functional.mse_loss(model(X[batch]), y[batch]).backward()
+        for p in model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=group)  # summed, never divided
+        opt.step()
+    return model
+""",
 }
 
 
@@ -104,3 +127,9 @@ def test_12_stack_dumps_must_come_on_the_signal(ip, lesson_ranks, wrong):
     assert_checker(ip, LESSON, 2, DUMP_WRONG[wrong], 2)
     # the ranks still answer (no signal killed them) and the magic's own SIGUSR1 handler is intact
     assert "[ranks 0,1]\nok" in on_ranks(ip, "print('ok')")
+
+
+def test_12_run_all_checks_the_learners_answers(ip, lesson_ranks):
+    no_communication = TRAIN_WRONG["no communication at all (no hang, ranks drift apart)"]
+    wrong = {1: no_communication, 2: DUMP_WRONG["nothing armed"]}
+    assert_run_all(ip, LESSON, wrong, 2)
