@@ -63,6 +63,9 @@ STOP_GRACE_SECONDS = 0.5
 # A short heartbeat period confirms new engines sooner; this much silence still means dead.
 HEARTBEAT_SILENCE_MS = 3000
 DEATH_RECORD_SECONDS = 0.5
+# After their connections are cut, ranks blocked in a collective end within milliseconds; a rank
+# still running after this is running Python (or C code) of its own, and is interrupted.
+CUT_WAIT_SECONDS = 0.5
 
 Progress = Callable[[str], None]
 # ipyparallel logs engines' output when they exit non-zero, as they do on SIGTERM at every stop;
@@ -105,6 +108,20 @@ class HostSpec:
         user, _, host = self.location.rpartition("@")
         name, _, port = host.partition(":")
         return [*(["-p", port] if port else []), "--", f"{user}@{name}" if user else name]
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """What :meth:`RankCluster.recover` did."""
+
+    world_size: int
+    replaced: list[int]  # ranks whose dead engine a new one (with nothing defined yet) replaced
+    dropped: list[int]  # old numbers of the dead ranks a shrink left out
+    renumbered: dict[int, int]  # old rank -> new rank, for the ranks a shrink renumbered
+    interrupted: list[int]  # ranks that were running Python of their own, interrupted
+    stale: dict[int, tuple[tuple[str, str], ...]]  # per rank: names that hold an old group
+    cut_peers: dict[int, frozenset[str]]  # per rank: the peers of the old groups' connections
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -466,6 +483,155 @@ class RankCluster:
             self.stop()
             raise
 
+    def recover(
+        self,
+        unfinished: CellRun | None,
+        shrink: bool = False,
+        interrupt_grace: float = 3.0,
+        progress: Progress | None = None,
+    ) -> Recovery:
+        """Bring every rank back to a working default process group, keeping what each living
+        rank has defined: cut the old groups' connections (which ends a blocked collective),
+        interrupt ranks still running the ``unfinished`` cell, then re-form the group. A dead
+        rank is replaced by a new engine under its number, or, with ``shrink``, left out and
+        the others renumbered. A ClusterError, with the cluster left as it was, if a rank does
+        not stop or no rank lives."""
+        progress = progress or (lambda message: None)
+        started = time.monotonic()
+        dead = self.dead_ranks()
+        alive = [rank for rank in range(self.n) if rank not in dead]
+        if not alive:
+            raise ClusterError("every rank is dead; %dist_restart starts new ones")
+        progress("cutting the process groups' connections")
+        self._client.send_signal(
+            protocol.CUT_CONNECTIONS_SIGNAL, targets=self.engine_ids(alive), block=True
+        )
+        interrupted = []
+        if unfinished is not None:
+            busy = self._busy_after(unfinished, alive, CUT_WAIT_SECONDS)
+            if busy:
+                progress(f"interrupting {protocol.rank_label(busy)}")
+                self.interrupt(busy)
+                interrupted = busy
+                stuck = self._busy_after(unfinished, alive, interrupt_grace)
+                if stuck:
+                    raise ClusterError(
+                        f"{protocol.rank_label(stuck)} did not stop within {interrupt_grace:g} s of an "
+                        "interrupt (stuck in C code that ignores signals?); %dist_restart starts new "
+                        "engines (every rank's state is lost)"
+                    )
+        renumbered: dict[int, int] = {}
+        if dead and shrink:
+            renumbered = {old: new for new, old in enumerate(alive)}
+            self.ranks = [dataclasses.replace(self.ranks[old], rank=new) for old, new in renumbered.items()]
+            self.n = len(self.ranks)
+            self._views = {}
+            renumbered = {old: new for old, new in renumbered.items() if old != new}
+        elif dead:
+            progress(f"starting {len(dead)} engines for {protocol.rank_label(dead)}")
+            self._replace_engines(dead)
+        progress(f"re-forming the {self.backend} process group")
+        new = set() if shrink else set(dead)
+        answers = self._join(
+            lambda info: rank_code.setup_rank if info.rank in new else rank_code.rejoin_process_group
+        )
+        rejoined = {rank: answer for rank, answer in answers.items() if isinstance(answer, protocol.Rejoined)}
+        return Recovery(
+            world_size=self.n,
+            replaced=[] if shrink else dead,
+            dropped=dead if shrink else [],
+            renumbered=renumbered,
+            interrupted=interrupted,
+            stale={rank: answer.stale for rank, answer in rejoined.items() if answer.stale},
+            cut_peers={rank: answer.cut_peers for rank, answer in rejoined.items()},
+            seconds=time.monotonic() - started,
+        )
+
+    def _busy_after(self, run: CellRun, alive: list[int], seconds: float) -> list[int]:
+        """The living ranks still running ``run`` after waiting up to ``seconds`` for them."""
+        deadline = time.monotonic() + seconds
+        while True:
+            busy = [rank for rank in run.pending_ranks() if rank in alive]
+            if not busy or time.monotonic() > deadline:
+                return busy
+            time.sleep(0.01)
+
+    def _replace_engines(self, dead: list[int]) -> None:
+        """New engines for the ``dead`` ranks, on their hosts, assigned their rank numbers."""
+        if not self.restartable_in_place:
+            raise ClusterError("the engines' zygote is gone; %dist_restart starts new engines")
+        known = {info.engine_id for info in self.ranks}
+        if self.engine_launcher == "ssh":
+            per_host: dict[str, int] = {}
+            listed = {ipv4_address(host.name): host.location for host in self.hosts}
+            for rank in dead:
+                location = listed[self.ranks[rank].address]
+                per_host[location] = per_host.get(location, 0) + 1
+            self._cluster.start_engines_sync(len(dead), engines=per_host)
+        elif self.engine_launcher == "local":
+            self._cluster.start_engines_sync(len(dead))
+        else:
+            raise ClusterError(
+                f"replacing a dead rank is not supported with --engines {self.engine_launcher}: "
+                "%dist_recover --shrink goes on without it, %dist_restart starts new engines"
+            )
+        deadline = time.monotonic() + self.engine_timeout
+        while len(fresh := sorted(set(self._client.ids) - known)) < len(dead):
+            if time.monotonic() > deadline:
+                raise ClusterError(f"the new engines did not connect within {self.engine_timeout:g} s")
+            time.sleep(0.02)
+        probes = self._within_timeout(
+            self._client[fresh].apply_async(rank_code.probe_engine, self._controller_address),
+            "importing torch",
+        )
+        waiting = {rank: self.ranks[rank] for rank in dead}
+        for engine_id, probe in zip(fresh, probes):
+            rank = next((r for r, info in waiting.items() if info.address == probe.address), None)
+            if rank is None:
+                raise ClusterError(f"a new engine started on {probe.host}, where no dead rank was")
+            info = waiting.pop(rank)
+            self.ranks[rank] = dataclasses.replace(info, engine_id=engine_id, pid=probe.pid, host=probe.host)
+        self._views = {}
+
+    def _setups(self) -> list[protocol.RankSetup]:
+        """What makes each engine of ``self.ranks`` its rank (before rank 0's store listens)."""
+        addresses = [info.address for info in self.ranks]
+        host_order = list(dict.fromkeys(addresses))
+        return [
+            protocol.RankSetup(
+                rank=info.rank,
+                local_rank=info.local_rank,
+                world_size=self.n,
+                master_addr=addresses[0],  # 127.0.0.1 on one host; else rank 0's host's address
+                master_port=0,
+                backend=self.backend,
+                device=info.device,
+                timeout_s=self.pg_timeout,
+                group_rank=host_order.index(info.address),
+                group_world_size=len(host_order),
+                local_world_size=addresses.count(info.address),
+                address=info.address if len(host_order) > 1 else None,
+            )
+            for info in self.ranks
+        ]
+
+    def _join(self, joiner: Callable[[RankInfo], Callable]) -> dict[int, object]:
+        """Rank 0 opens a new rendezvous, then every rank runs ``joiner(info)(its setup)``;
+        each rank's answer."""
+        setups = self._setups()
+        rank0 = self._client[self.ranks[0].engine_id]
+        opening = rank0.apply_async(rank_code.open_rendezvous, setups[0])
+        port = self._within_timeout(opening, "opening rank 0's store")
+        setups = [dataclasses.replace(setup, master_port=port) for setup in setups]
+        pending = [
+            self._client[info.engine_id].apply_async(joiner(info), setup)
+            for info, setup in zip(self.ranks, setups)
+        ]
+        return {
+            info.rank: self._within_timeout(result, f"rank {info.rank} joining the process group")
+            for info, result in zip(self.ranks, pending)
+        }
+
     def _form_process_group(self, progress: Progress) -> None:
         engine_ids = sorted(self._client.ids)[: self.n]
         progress("importing torch on the engines")
@@ -482,8 +648,6 @@ class RankCluster:
         if self.backend == "nccl" and not all(gpus):
             missing = [rank for rank, has_gpu in enumerate(gpus) if not has_gpu]
             raise ClusterError(f"nccl needs a GPU for every rank; ranks {_format_ranks(missing)} have none")
-        master_addr = hosts[0]  # 127.0.0.1 on one host; else rank 0's host as the others reach it
-        several_hosts = len(host_order) > 1
         self.ranks = [
             RankInfo(
                 rank=rank,
@@ -498,33 +662,7 @@ class RankCluster:
             for rank, (engine_id, probe, local_rank) in enumerate(zip(engine_ids, probes, local_ranks))
         ]
         progress(f"forming the {self.backend} process group")
-        setups = [
-            protocol.RankSetup(
-                rank=info.rank,
-                local_rank=info.local_rank,
-                world_size=self.n,
-                master_addr=master_addr,
-                master_port=0,
-                backend=self.backend,
-                device=info.device,
-                timeout_s=self.pg_timeout,
-                group_rank=info.group_rank,
-                group_world_size=len(host_order),
-                local_world_size=hosts.count(info.address),
-                address=info.address if several_hosts else None,
-            )
-            for info in self.ranks
-        ]
-        rank0 = self._client[self.ranks[0].engine_id]
-        opening = rank0.apply_async(rank_code.open_rendezvous, setups[0])
-        port = self._within_timeout(opening, "opening rank 0's store")
-        setups = [dataclasses.replace(setup, master_port=port) for setup in setups]
-        pending = [
-            self._client[info.engine_id].apply_async(rank_code.setup_rank, setup)
-            for info, setup in zip(self.ranks, setups)
-        ]
-        for info, result in zip(self.ranks, pending):
-            self._within_timeout(result, f"rank {info.rank} joining the process group")
+        self._join(lambda info: rank_code.setup_rank)
 
     def _host_by_host(self, engine_ids: list[int], probes: list) -> tuple[list[int], list]:
         """Engines ordered host by host (in the order of the host list), by engine id within a host."""

@@ -10,7 +10,10 @@ from IPython.core.error import UsageError
 from ddp_magics.protocol import rank_label
 from ddp_magics.stacks import BlockedRank
 
-RESTART_ADVICE = "Run %dist_restart to get working ranks back (same world size and backend)."
+RESTART_ADVICE = (
+    "Run %dist_recover to get every rank back with its state (a new process group), "
+    "or %dist_restart for new engines."
+)
 
 
 def usage_error(message: str) -> UsageError:
@@ -127,6 +130,33 @@ def _without_rule(lines: list[str]) -> list[str]:
     if lines and set(_ANSI.sub("", lines[0]).strip()) == {"-"}:
         return lines[1:]
     return lines
+
+
+# torch 2.13 (distributed_c10d.get_backend, which collectives call) for a group destroyed by
+# %dist_recover: "Process group <...ProcessGroup object at 0x...> is not initialized in the
+# world group map. Please initialize the group first."
+_DESTROYED_GROUP = re.compile(r"Process group <.*?> is not initialized in the world group map")
+# gloo (pair.cc), when C++ that holds an old group (DDP's reducer) uses a connection recovery cut.
+_CLOSED_CONNECTION = re.compile(r"Connection closed by peer (\[[^\]]*\]:\d+)")
+
+
+def stale_group_failure(
+    failure: RankFailure, stale: tuple[tuple[str, str], ...], cut_peers: frozenset[str]
+) -> RankFailure:
+    """A rank's use of a process group that %dist_recover destroyed, as one line naming what
+    holds old groups on that rank; any other failure unchanged."""
+    closed = _CLOSED_CONNECTION.search(failure.evalue)
+    if not (_DESTROYED_GROUP.search(failure.evalue) or (closed and closed[1] in cut_peers)):
+        return failure
+    names = ", ".join(name for name, _ in stale)
+    return RankFailure(
+        rank=failure.rank,
+        ename="StaleProcessGroup",
+        evalue="this uses a process group from before %dist_recover"
+        + (f" (stale here: {names})" if names else "")
+        + "; make it again (dist.new_group, DDP(...), ...)",
+        traceback="",
+    )
 
 
 def failure_from_remote_error(rank: int, error: BaseException) -> RankFailure:

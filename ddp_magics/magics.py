@@ -21,12 +21,22 @@ from IPython.display import display
 from traitlets import Bool, Dict, Enum, Float, Integer, List, TraitError, Unicode, validate
 
 from ddp_magics import cluster as cluster_module
-from ddp_magics.cluster import BACKENDS, LAUNCHERS, CellRun, ClusterError, HostSpec, Progress, RankCluster
+from ddp_magics.cluster import (
+    BACKENDS,
+    LAUNCHERS,
+    CellRun,
+    ClusterError,
+    HostSpec,
+    Progress,
+    RankCluster,
+    Recovery,
+)
 from ddp_magics.errors import (
     RESTART_ADVICE,
     DeadRank,
     DistributedCellError,
     failure_from_remote_error,
+    stale_group_failure,
     usage_error,
 )
 from ddp_magics.live_view import LiveView
@@ -157,6 +167,43 @@ def host_addresses(hosts: list[HostSpec]) -> list[str]:
     return addresses
 
 
+def recovery_report(recovery: Recovery, backend: str) -> str:
+    """What %dist_recover did and what the user must redo, in a few lines."""
+    lines = [
+        f"Recovered in {recovery.seconds:.1f} s: a new {backend} process group of "
+        f"{recovery.world_size} ranks; every living rank kept its variables."
+    ]
+    if recovery.interrupted:
+        lines.append(
+            f"{rank_label(recovery.interrupted)}: still running after the cut, so interrupted."
+        )
+    if recovery.replaced:
+        label = rank_label(recovery.replaced)
+        lines.append(
+            f"{label} died and {'was' if len(recovery.replaced) == 1 else 'were'} replaced by a new "
+            f"engine with nothing defined: run your set-up cells again on it "
+            f"(%%distributed --ranks {','.join(map(str, recovery.replaced))}), then copy the state from "
+            "a healthy rank, e.g. `for t in model.state_dict().values(): dist.broadcast(t, src=0)`."
+        )
+    if recovery.dropped:
+        moved = ", ".join(f"{old} is now {new}" for old, new in recovery.renumbered.items())
+        lines.append(
+            f"Went on without {rank_label(recovery.dropped)}"
+            + (f"; rank {moved}" if moved else "")
+            + ": `rank` and `world_size` are updated on every rank."
+        )
+    by_names: dict[tuple[tuple[str, str], ...], list[int]] = {}
+    for rank, names in recovery.stale.items():
+        by_names.setdefault(names, []).append(rank)
+    for names, ranks in by_names.items():
+        listed = ", ".join(f"{name} ({kind})" for name, kind in names)
+        lines.append(
+            f"Stale on {rank_label(ranks)}: {listed} hold the old process group; make them again "
+            "(dist.new_group, DDP(...), ...) before using them."
+        )
+    return "\n".join(lines)
+
+
 @magics_class
 class DistributedMagics(Magics):
     """Run cells on the ranks of a torch.distributed process group."""
@@ -270,6 +317,10 @@ class DistributedMagics(Magics):
         self.cluster: RankCluster | None = None
         self._unfinished: CellRun | None = None
         self._last_config: dict | None = None
+        # The last %dist_recover's: per rank, names holding a destroyed group; the ends of the
+        # connections it cut (on every rank).
+        self._stale: dict[int, tuple[tuple[str, str], ...]] = {}
+        self._cut_peers: frozenset[str] = frozenset()
 
     # ------------------------------------------------------------------ lifecycle
     @magic_arguments()
@@ -430,6 +481,7 @@ class DistributedMagics(Magics):
     def _stop_cluster(self) -> None:
         cluster, self.cluster = self.cluster, None
         self._unfinished = None
+        self._stale, self._cut_peers = {}, frozenset()
         if cluster is not None:
             cluster.stop()
             atexit.unregister(cluster.stop)
@@ -444,6 +496,7 @@ class DistributedMagics(Magics):
         if self.cluster is not None and self.cluster.restartable_in_place:
             # The controller and the zygote stay: only the engines are new.
             self._unfinished = None
+            self._stale, self._cut_peers = {}, frozenset()
             try:
                 self._with_progress("%dist_restart", self.cluster.restart)
             finally:
@@ -455,6 +508,38 @@ class DistributedMagics(Magics):
             self._last_config["backend"] = self.cluster.backend
             self._stop_cluster()
         self._start(self._new_cluster())
+
+    @magic_arguments()
+    @argument(
+        "--shrink",
+        action="store_true",
+        help="go on without dead ranks (the others renumbered) instead of replacing them",
+    )
+    @line_magic
+    def dist_recover(self, line: str) -> None:
+        """Get every rank back after a hang or a dead rank, keeping each living rank's state: the
+        old process groups are cut (ending blocked collectives), ranks still running are
+        interrupted, dead ranks are replaced (or left out with --shrink), and a new default
+        process group forms."""
+        args = parse_argstring(self.dist_recover, line)
+        if self.cluster is None:
+            raise usage_error("No cluster is running: start one with %dist_start")
+        recovery: list[Recovery] = []
+        try:
+            self._with_progress(
+                "%dist_recover",
+                lambda progress: recovery.append(
+                    self.cluster.recover(self._unfinished, args.shrink, self.interrupt_grace, progress)
+                ),
+            )
+        finally:
+            if recovery:
+                self._unfinished = None
+        [done] = recovery
+        if done.dropped:
+            self._last_config["n"] = done.world_size
+        self._stale, self._cut_peers = done.stale, frozenset().union(*done.cut_peers.values())
+        print(recovery_report(done, self.cluster.backend))
 
     def report_strays(self) -> None:
         for report in cluster_module.stop_stray_clusters():
@@ -569,7 +654,13 @@ class DistributedMagics(Magics):
         if clean:
             return
         failures = [
-            failure_from_remote_error(rank, error) for rank, error in errors.items() if rank not in dead
+            stale_group_failure(
+                failure_from_remote_error(rank, error),
+                self._stale.get(rank, ()),
+                self._cut_peers,
+            )
+            for rank, error in errors.items()
+            if rank not in dead
         ]
         blocked = [
             BlockedRank.from_dump(

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 STACK_DUMP_SIGNAL = signal.SIGUSR1
+# Makes a rank cut its process groups' connections, whatever its main thread is doing
+# (ddp_magics.engine.recovery): the first step of %dist_recover.
+CUT_CONNECTIONS_SIGNAL = signal.SIGUSR2
 # First line of every cell the notebook sends: the notebook's own number for the cell.
 CELL_NUMBER_HEADER = "# ddp_magics: In["
 DEFAULT_VALUES_LIMIT = 16
@@ -233,3 +236,16 @@ class Inspection:
     number: int  # 1, 2, ... per engine: tells a new answer from one the notebook already had
     stack: str  # faulthandler's dump of every thread
     events: list[TraceEvent] | None  # the calls traced so far in this cell (None: not traced)
+
+
+@dataclass(frozen=True)
+class Rejoined:
+    """A rank's answer to re-forming its process group (%dist_recover)."""
+
+    device: str
+    # Names in the rank's namespace that hold a process group from before: ``(name, what)``,
+    # like ``("model", "DistributedDataParallel")``.
+    stale: tuple[tuple[str, str], ...] = ()
+    # The peers ("[address]:port") of every connection recovery has cut on this rank: gloo names
+    # one when an object holding an old group (a DDP wrapper) uses it.
+    cut_peers: frozenset[str] = frozenset()

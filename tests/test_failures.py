@@ -47,7 +47,7 @@ def test_hang_is_reported_with_line_and_call_then_restart_recovers(ip, healthy):
     assert any(line.startswith('      File "torch/distributed/distributed_c10d.py"') for line in report)
     assert not any('File "/' in line for line in report)
     assert "[rank 1] finished" in report
-    assert report[-1].startswith("Run %dist_restart")
+    assert report[-1].startswith("Run %dist_recover")
 
     # The stuck rank is not handed another cell behind the hung one.
     _, error = run_cell(ip, "", "print('queued?')")

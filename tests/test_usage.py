@@ -70,6 +70,8 @@ def test_cells_before_start_are_usage_errors(ip, magics):
         ip.run_line_magic("dist_status", "")
     with pytest.raises(UsageError, match="No cluster is running"):
         ip.run_line_magic("dist_pull", "x")
+    with pytest.raises(UsageError, match="No cluster is running"):
+        ip.run_line_magic("dist_recover", "")
 
 
 @pytest.mark.parametrize(

@@ -10,8 +10,9 @@ import os
 import socket
 import threading
 
+from ddp_magics.engine import recovery
 from ddp_magics.engine.inspector import start_inspector
-from ddp_magics.protocol import CELL_NUMBER_HEADER, EngineProbe, RankSetup
+from ddp_magics.protocol import CELL_NUMBER_HEADER, EngineProbe, RankSetup, Rejoined
 
 INLINE_BACKEND = "module://matplotlib_inline.backend_inline"
 
@@ -92,6 +93,7 @@ def open_rendezvous(setup: RankSetup) -> int:
 
     import torch.distributed as dist
 
+    recovery.begin_forming()  # the store's connections belong to the new era
     listener = socket.create_server((setup.master_addr, 0), backlog=max(setup.world_size, 128))
     port = listener.getsockname()[1]
     _rendezvous_server = dist.TCPStore(
@@ -153,18 +155,24 @@ def setup_rank(setup: RankSetup) -> str:
     os.environ.setdefault("MPLBACKEND", INLINE_BACKEND)
 
     start_inspector()
+    if recovery.note_engine_event_loops():
+        threading.Thread(target=_warm_up_error_reports, name="ddp_magics warm-up", daemon=True).start()
+    recovery.begin_forming()
 
     device = torch.device(setup.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=setup.timeout_s)
-    dist.init_process_group(
-        backend=setup.backend,
-        store=_rendezvous_store(setup, timeout),
-        rank=setup.rank,
-        world_size=setup.world_size,
-        timeout=timeout,
-    )
+    try:
+        dist.init_process_group(
+            backend=setup.backend,
+            store=_rendezvous_store(setup, timeout),
+            rank=setup.rank,
+            world_size=setup.world_size,
+            timeout=timeout,
+        )
+    finally:
+        recovery.end_forming()
     shell = get_ipython()
     if take_cell_number not in shell.input_transformers_cleanup:
         shell.input_transformers_cleanup.insert(0, take_cell_number)
@@ -179,3 +187,35 @@ def setup_rank(setup: RankSetup) -> str:
         torch=torch,
     )
     return str(device)
+
+
+def _warm_up_error_reports() -> None:
+    """Format, at low priority, a traceback through torch.distributed once: IPython reads and
+    parses each file of a traceback the first time it shows one (distributed_c10d.py is 6,000
+    lines: about 0.7 s), which would otherwise be paid by the first collective that fails, as
+    %dist_recover waits for blocked collectives to end."""
+    import sys
+
+    import torch.distributed as dist
+    from IPython.core.ultratb import AutoFormattedTB
+
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only (Linux)
+    try:
+        dist.all_reduce("not a tensor")
+    except TypeError:
+        AutoFormattedTB(mode="Context").structured_traceback(*sys.exc_info())
+
+
+def rejoin_process_group(setup: RankSetup) -> Rejoined:
+    """After %dist_recover cut the old connections: destroy every process group of this rank
+    and join a new default group as ``setup`` says (the same rank, or a new one after a
+    shrink), keeping everything else in the namespace. Names holding an old group are returned
+    as stale."""
+    import torch.distributed as dist
+    from IPython import get_ipython
+
+    stale = recovery.stale_objects(get_ipython().user_ns)
+    recovery.begin_forming()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return Rejoined(device=setup_rank(setup), stale=tuple(stale), cut_peers=frozenset(recovery.cut_peers))
