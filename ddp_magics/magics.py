@@ -170,7 +170,7 @@ def host_addresses(hosts: list[HostSpec]) -> list[str]:
 def recovery_report(recovery: Recovery, backend: str) -> str:
     """What %dist_recover did and what the user must redo, in a few lines."""
     lines = [
-        f"Recovered in {recovery.seconds:.1f} s: a new {backend} process group of "
+        f"Recovered: a new {backend} process group of "
         f"{recovery.world_size} ranks; every living rank kept its variables."
     ]
     if recovery.interrupted:

@@ -79,7 +79,7 @@ def test_hang_then_recover_keeps_every_ranks_state(ip, four, hang):
     )
 
     report = recover(ip)
-    assert report.startswith("Recovered in "), report
+    assert report.startswith("Recovered: "), report
     assert f"a new gloo process group of {WORLD} ranks; every living rank kept its variables." in report
     if hang == "a rank in while True":
         assert "rank 1: still running after the cut, so interrupted." in report
@@ -184,6 +184,6 @@ def test_a_rank_no_signal_reaches_is_refused_in_one_line_and_restart_still_works
 def test_recover_with_nothing_wrong_re_forms_the_group_and_keeps_state(ip, four):
     on_ranks(ip, "kept = rank * 7")
     report = recover(ip)
-    assert report.startswith("Recovered in ") and "interrupted" not in report and "replaced" not in report
+    assert report.startswith("Recovered: ") and "interrupted" not in report and "replaced" not in report
     assert on_ranks(ip, "print(kept == rank * 7)") == "[ranks 0-3]\nTrue"
     assert all_reduced_sum(ip) == "[ranks 0-3]\n10 4"
