@@ -63,9 +63,10 @@ STOP_GRACE_SECONDS = 0.5
 # A short heartbeat period confirms new engines sooner; this much silence still means dead.
 HEARTBEAT_SILENCE_MS = 3000
 DEATH_RECORD_SECONDS = 0.5
-# After their connections are cut, ranks blocked in a collective end within milliseconds; a rank
-# still running after this is running Python (or C code) of its own, and is interrupted.
-CUT_WAIT_SECONDS = 0.5
+# After their connections are cut, ranks blocked in a collective end within milliseconds (plus
+# IPython formatting their error, longer on a loaded machine); a rank still running after this
+# is running Python (or C code) of its own, and is interrupted.
+CUT_WAIT_SECONDS = 1.0
 
 Progress = Callable[[str], None]
 # ipyparallel logs engines' output when they exit non-zero, as they do on SIGTERM at every stop;

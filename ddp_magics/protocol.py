@@ -14,8 +14,9 @@ from typing import NamedTuple
 
 STACK_DUMP_SIGNAL = signal.SIGUSR1
 # Makes a rank cut its process groups' connections, whatever its main thread is doing
-# (ddp_magics.engine.recovery): the first step of %dist_recover.
-CUT_CONNECTIONS_SIGNAL = signal.SIGUSR2
+# (ddp_magics.engine.recovery): the first step of %dist_recover. A real-time signal, which no
+# library of a rank takes for itself (code in a cell may well use SIGUSR2, as lesson 12 does).
+CUT_CONNECTIONS_SIGNAL = signal.SIGRTMIN + 4
 # First line of every cell the notebook sends: the notebook's own number for the cell.
 CELL_NUMBER_HEADER = "# ddp_magics: In["
 DEFAULT_VALUES_LIMIT = 16
