@@ -13,7 +13,7 @@ with the string ``check_count()`` returned, the stub's message, or a general hin
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 NOT_YET = "the checker's test does not pass yet; read the exercise again, or compare with the reference"
 
@@ -22,9 +22,9 @@ def verdict(exercise: int, check: Callable[[], object]) -> None:
     """Run ``check()`` and print this rank's verdict for ``exercise`` (nothing is returned, so a checker cell
     ending with this call shows no value).
 
-    ``check`` returns ``True`` (pass), or a string that says what is not right yet, or anything else (not yet).
-    A stub that still raises ``NotImplementedError`` is reported with its message; any other exception goes
-    up to the learner with its traceback.
+    ``check`` returns ``True`` (pass), or a string that says what is not right yet, or anything else
+    (not yet). A stub that still raises ``NotImplementedError`` is reported with its message; any
+    other exception goes up to the learner with its traceback.
     """
     try:
         result = check()
