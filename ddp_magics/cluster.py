@@ -7,6 +7,7 @@ raised as the exceptions defined below.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -60,8 +61,13 @@ HALF_MADE_SECONDS = 60
 LOCAL_HOST = "127.0.0.1"
 # How long stopping waits for a step that normally takes milliseconds before forcing it.
 STOP_GRACE_SECONDS = 0.5
-# A short heartbeat period confirms new engines sooner; this much silence still means dead.
+# A short heartbeat period confirms new engines sooner; this much silence still means dead (for
+# engines on this machine: those on other hosts get ``link_loss_seconds``, see RankCluster).
 HEARTBEAT_SILENCE_MS = 3000
+# ipyparallel's engine checks the controller's pings every heartbeat period plus this.
+ENGINE_HEARTBEAT_CHECK_EXTRA_MS = 500
+# How long a signal to the ranks (an interrupt, a stack dump, a cut) may take to be confirmed.
+SIGNAL_SECONDS = 5.0
 DEATH_RECORD_SECONDS = 0.5
 # After their connections are cut, ranks blocked in a collective end within milliseconds (plus
 # IPython formatting their error, longer on a loaded machine); a rank still running after this
@@ -213,6 +219,7 @@ class RankCluster:
         backend: str = "auto",
         pg_timeout: float = 1800.0,
         heartbeat_ms: int = 100,
+        link_loss_seconds: float = 60.0,
         engine_timeout: float = 60.0,
         engine_launcher: str = "local",
         hosts: list[HostSpec] | None = None,
@@ -241,6 +248,9 @@ class RankCluster:
         self.backend: str | None = None
         self.pg_timeout = pg_timeout
         self.heartbeat_ms = heartbeat_ms
+        # Engines on other hosts may go unheard this long (a network blip) before they count as
+        # dead, on the controller's side and on their own (ipyparallel's engine exits then).
+        self.link_loss_seconds = link_loss_seconds
         self.engine_timeout = engine_timeout
         self.engine_launcher = engine_launcher
         self.ranks: list[RankInfo] = []
@@ -331,7 +341,11 @@ class RankCluster:
         python = sys.executable if self.engine_launcher == "local" else self.remote_python
         config.EngineLauncher.engine_cmd = [python, "-m", "ddp_magics.engine"]
         # Nobody reads an engine's history; without it, cells can take the notebook's numbers.
-        config.EngineLauncher.engine_args = ["--HistoryManager.enabled=False"]
+        engine_args = ["--HistoryManager.enabled=False"]
+        if self.engine_launcher != "local":  # an engine that hears no controller exits after this
+            misses = math.ceil(self._silence_ms / (self.heartbeat_ms + ENGINE_HEARTBEAT_CHECK_EXTRA_MS)) + 1
+            engine_args.append(f"--IPEngine.max_heartbeat_misses={misses}")
+        config.EngineLauncher.engine_args = engine_args
         config.ControllerLauncher.controller_cmd = [sys.executable, "-m", "ddp_magics.controller"]
         config.BaseLauncher.environment = environment
         config.LocalEngineSetLauncher.delay = 0  # ranks follow engine ids, whatever their order
@@ -447,9 +461,13 @@ class RankCluster:
         progress(f"engines connected: {self.n}/{self.n}")
 
     @property
+    def _silence_ms(self) -> float:
+        """How long an engine may go unheard before it counts as dead, whatever the period."""
+        return HEARTBEAT_SILENCE_MS if self.engine_launcher == "local" else self.link_loss_seconds * 1000
+
+    @property
     def _heartbeat_misses(self) -> int:
-        """However short the period, an engine is declared dead after the same silence."""
-        return math.ceil(HEARTBEAT_SILENCE_MS / self.heartbeat_ms)
+        return math.ceil(self._silence_ms / self.heartbeat_ms)
 
     @property
     def restartable_in_place(self) -> bool:
@@ -504,9 +522,14 @@ class RankCluster:
         if not alive:
             raise ClusterError("every rank is dead; %dist_restart starts new ones")
         progress("cutting the process groups' connections")
-        self._client.send_signal(
-            protocol.CUT_CONNECTIONS_SIGNAL, targets=self.engine_ids(alive), block=True
-        )
+        unreachable = self.signal(protocol.CUT_CONNECTIONS_SIGNAL, alive)
+        if unreachable:
+            hosts = sorted({self.ranks[rank].host for rank in unreachable})
+            raise ClusterError(
+                f"{protocol.rank_label(unreachable)} on {', '.join(hosts)} did not answer within "
+                f"{SIGNAL_SECONDS:g} s (host unreachable?); try again once the network is back, or "
+                "%dist_restart for new engines"
+            )
         interrupted = []
         if unfinished is not None:
             busy = self._busy_after(unfinished, alive, CUT_WAIT_SECONDS)
@@ -804,8 +827,22 @@ class RankCluster:
             raise
         return dict(enumerate(values))
 
-    def interrupt(self, ranks: list[int]) -> None:
-        self._client.send_signal(signal.SIGINT, targets=self.engine_ids(ranks), block=True)
+    def interrupt(self, ranks: list[int]) -> list[int]:
+        """SIGINT to ``ranks``; those whose engine did not confirm it (see :meth:`signal`)."""
+        return self.signal(signal.SIGINT, ranks)
+
+    def signal(self, signum: int, ranks: list[int], timeout: float = SIGNAL_SECONDS) -> list[int]:
+        """Send ``signum`` to the engines of ``ranks`` through their nannies (on any host); the
+        ranks whose nanny did not confirm within ``timeout`` (its host unreachable)."""
+        sent = {
+            rank: self._client.send_signal(signum, targets=[self.ranks[rank].engine_id], block=False)
+            for rank in ranks
+        }
+        deadline = time.monotonic() + timeout
+        for future in sent.values():
+            with contextlib.suppress(TimeoutError):
+                future.result(timeout=max(deadline - time.monotonic(), 0))
+        return [rank for rank, future in sent.items() if not future.done()]
 
     # ------------------------------------------------------------------- inspecting
     def start_trace(self, ranks: list[int], values_limit: int) -> None:
@@ -826,7 +863,7 @@ class RankCluster:
         so far, even while blocked in C code (see :mod:`ddp_magics.engine.inspector`). Ranks that
         do not answer within ``wait`` seconds are left out."""
         before = {rank: run.published(rank, protocol.INSPECTION_KEY) for rank in ranks}
-        self._client.send_signal(protocol.STACK_DUMP_SIGNAL, targets=self.engine_ids(ranks), block=True)
+        self.signal(protocol.STACK_DUMP_SIGNAL, ranks, timeout=wait)
         answers: dict[int, protocol.Inspection] = {}
         deadline = time.monotonic() + wait
         while len(answers) < len(ranks) and time.monotonic() < deadline:

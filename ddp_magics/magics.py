@@ -243,6 +243,11 @@ class DistributedMagics(Magics):
         config=True,
         help="ipyparallel heartbeat period (ms); an engine silent for 3 s is dead whatever the period.",
     )
+    link_loss_tolerance = Float(
+        60.0,
+        config=True,
+        help="Seconds ranks on other hosts may go unheard (a network blip) before they count as dead.",
+    )
     trace_values_limit = Integer(
         16, config=True, help="Traced tensors with at most this many elements keep their values."
     )
@@ -279,7 +284,7 @@ class DistributedMagics(Magics):
         Unicode(), [], config=True, help="mpiexec command for --engines mpi (default: the mpi extra's MPICH)."
     )
 
-    @validate("cell_timeout", "process_group_timeout")
+    @validate("cell_timeout", "process_group_timeout", "link_loss_tolerance")
     def _usable_timeout(self, proposal):
         problem = timeout_problem(proposal.value)
         if problem:
@@ -426,6 +431,7 @@ class DistributedMagics(Magics):
         """A cluster as the last %dist_start asked for."""
         return RankCluster(
             heartbeat_ms=self.heartbeat_ms,
+            link_loss_seconds=self.link_loss_tolerance,
             ssh_command=self.ssh_command,
             remote_python=self.remote_python,
             mpi_command=self.mpi_command,
