@@ -21,7 +21,7 @@ from ddp_magics.lifetime import (
     OWNER_GONE_EXIT_CODE,
 )
 from tests.two_hosts import HOST_A, HOST_B, TwoHosts, skip_reason
-from tests.two_hosts_cases import SSH_CONFIG_ENV
+from tests.two_hosts_cases import SSH_CONFIG_ENV, VETH_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = "tests/two_hosts_cases.py"
@@ -107,14 +107,14 @@ def test_ranks_on_two_hosts_through_the_ssh_launcher():
     there and 2 in namespace b, each started over ssh. Afterwards neither namespace runs
     anything but its sshd."""
     with TwoHosts(exit_grace=0) as hosts:
-        environment = {**os.environ, SSH_CONFIG_ENV: hosts.ssh_config}
+        environment = {**os.environ, SSH_CONFIG_ENV: hosts.ssh_config, VETH_ENV: hosts.veth_a}
         inner = subprocess.run(
             hosts.in_a([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", CASES]),
             capture_output=True,
             text=True,
             env=environment,
             cwd=ROOT,
-            timeout=600,
+            timeout=900,
         )
         assert inner.returncode == 0, inner.stdout[-6000:] + inner.stderr[-3000:]
         assert "skipped" not in inner.stdout.splitlines()[-1]

@@ -10,9 +10,11 @@ from __future__ import annotations
 import os
 import signal
 import stat
+import subprocess
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -25,6 +27,7 @@ from tests.conftest import assert_gone, current_magics, run_cell, shown_text
 from tests.two_hosts import HOST_A, HOST_B
 
 SSH_CONFIG_ENV = "DDP_MAGICS_TEST_SSH_CONFIG"
+VETH_ENV = "DDP_MAGICS_TEST_VETH_A"  # host a's end of the link to host b
 pytestmark = pytest.mark.skipif(SSH_CONFIG_ENV not in os.environ, reason="run by tests/test_two_hosts.py")
 HOSTS = f"{HOST_A}:2,{HOST_B}:2"
 
@@ -216,3 +219,88 @@ def test_what_a_remote_rank_started_ends_with_its_engine(ip, healthy):
     with capture_output():
         ip.run_line_magic("dist_restart", "")
     assert_gone(children, timeout=5)
+
+
+@contextmanager
+def link_down(after: float, seconds: float):
+    """The link between the hosts down (packets just stop: no FIN, no RST) from ``after`` seconds
+    on, for ``seconds``: leaving waits until it is up again (at once if the block raised)."""
+    veth = os.environ[VETH_ENV]
+
+    def set_link(state: str) -> None:
+        subprocess.run(["ip", "link", "set", veth, state], check=True)
+
+    down = threading.Timer(after, set_link, ("down",))
+    up = threading.Timer(after + seconds, set_link, ("up",))
+    down.start()
+    up.start()
+    try:
+        yield
+    except BaseException:
+        down.cancel()
+        up.cancel()
+        set_link("up")
+        raise
+    down.join()
+    up.join()
+
+
+ALL_REDUCES_FOR_10_S = """\
+import time
+total = torch.zeros(1)
+for step in range(100):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    total += t
+    time.sleep(0.1)
+print(rank, total.item())
+"""
+
+
+def test_a_network_blip_shorter_than_the_cell_timeout_kills_nobody(ip, healthy):
+    """6 s without a link while ranks on both hosts all_reduce: the cell finishes (TCP resends
+    what was lost) and every rank is alive (issue 22: such a blip once killed every far rank)."""
+    with link_down(after=2.0, seconds=6.0):
+        captured, error = run_cell(ip, "--timeout 60", ALL_REDUCES_FOR_10_S)
+    assert error is None, shown_text(captured)
+    assert (
+        shown_text(captured) == "[rank 0]\n0 400.0\n[rank 1]\n1 400.0\n[rank 2]\n2 400.0\n[rank 3]\n3 400.0"
+    )
+    assert healthy.cluster.dead_ranks() == []
+
+
+def test_a_partition_past_the_cell_timeout_is_reported_then_recovered_with_state(ip, healthy):
+    """The link down longer than the cell's timeout: a hang report; once it is back, %dist_recover
+    re-forms the group across the hosts and every rank still has what it had."""
+    run_cell(ip, "", "kept = torch.arange(3.0) + rank")
+    with link_down(after=1.0, seconds=9.0):
+        _, error = run_cell(ip, "--timeout 4", ALL_REDUCES_FOR_10_S)
+        assert isinstance(error, DistributedCellError) and "still running after 4 s" in str(error)
+    assert healthy.cluster.dead_ranks() == []
+    with capture_output() as captured:
+        ip.run_line_magic("dist_recover", "")
+    assert captured.stdout.startswith("Recovered: a new gloo process group of 4 ranks"), captured.stdout
+    captured, error = run_cell(
+        ip, "", "t = torch.ones(1)\ndist.all_reduce(t)\nprint(t.item(), kept.tolist())"
+    )
+    assert error is None
+    assert shown_text(captured) == (
+        "[rank 0]\n4.0 [0.0, 1.0, 2.0]\n[rank 1]\n4.0 [1.0, 2.0, 3.0]\n"
+        "[rank 2]\n4.0 [2.0, 3.0, 4.0]\n[rank 3]\n4.0 [3.0, 4.0, 5.0]"
+    )
+
+
+def test_a_killed_remote_rank_is_replaced_on_its_host(ip, healthy):
+    run_cell(ip, "", "kept = rank")
+    victim = healthy.cluster.ranks[2]
+    os.kill(victim.pid, signal.SIGKILL)  # one PID namespace: the test can reach host b's processes
+    assert_gone([psutil.Process(victim.pid)] if psutil.pid_exists(victim.pid) else [], timeout=5)
+    with capture_output() as captured:
+        ip.run_line_magic("dist_recover", "")
+    assert "rank 2 died and was replaced by a new engine" in captured.stdout
+    assert healthy.cluster.ranks[2].address == HOST_B and healthy.cluster.ranks[2].pid != victim.pid
+    captured, error = run_cell(
+        ip, "", "t = torch.ones(1)\ndist.all_reduce(t)\nprint(t.item(), globals().get('kept'))"
+    )
+    assert error is None
+    assert shown_text(captured) == "[rank 0]\n4.0 0\n[rank 1]\n4.0 1\n[rank 2]\n4.0 None\n[rank 3]\n4.0 3"
