@@ -320,6 +320,7 @@ class DistributedMagics(Magics):
     def __init__(self, shell=None, **kwargs) -> None:
         super().__init__(shell=shell, **kwargs)
         self.cluster: RankCluster | None = None
+        self._restart_failed = False  # the last %dist_restart failed, stopping the cluster
         self._unfinished: CellRun | None = None
         self._last_config: dict | None = None
         # The last %dist_recover's: per rank, names holding a destroyed group; the ends of the
@@ -442,6 +443,7 @@ class DistributedMagics(Magics):
     def _start(self, cluster: RankCluster) -> None:
         self._with_progress("%dist_start", cluster.start)
         self.cluster = cluster
+        self._restart_failed = False
         self._unfinished = None
         atexit.register(cluster.stop)
         print(self._summary())
@@ -482,6 +484,7 @@ class DistributedMagics(Magics):
             return
         world_size = self.cluster.n
         self._stop_cluster()
+        self._restart_failed = False
         print(f"Stopped {world_size} ranks.")
 
     def _stop_cluster(self) -> None:
@@ -508,6 +511,7 @@ class DistributedMagics(Magics):
             finally:
                 if not self.cluster.running:  # the restart failed and stopped the cluster
                     self._stop_cluster()
+                    self._restart_failed = True
             print(self._summary())
             return
         if self.cluster is not None:
@@ -529,7 +533,7 @@ class DistributedMagics(Magics):
         process group forms."""
         args = parse_argstring(self.dist_recover, line)
         if self.cluster is None:
-            raise usage_error("No cluster is running: start one with %dist_start")
+            raise self._no_cluster()
         recovery: list[Recovery] = []
         try:
             self._with_progress(
@@ -546,6 +550,14 @@ class DistributedMagics(Magics):
             self._last_config["n"] = done.world_size
         self._stale, self._cut_peers = done.stale, frozenset().union(*done.cut_peers.values())
         print(recovery_report(done, self.cluster.backend))
+
+    def _no_cluster(self) -> Exception:
+        if self._restart_failed:
+            return usage_error(
+                "No cluster is running: the last %dist_restart failed and stopped it (nothing of it is "
+                "left); %dist_restart starts it again as it was"
+            )
+        return usage_error("No cluster is running: start one with %dist_start")
 
     def report_strays(self) -> None:
         for report in cluster_module.stop_stray_clusters():
@@ -589,7 +601,7 @@ class DistributedMagics(Magics):
     def _ready_cluster(self) -> RankCluster:
         """The running cluster, if every rank can take a new cell."""
         if self.cluster is None:
-            raise usage_error("No cluster is running: start one with %dist_start")
+            raise self._no_cluster()
         dead = self.cluster.dead_ranks()
         if dead:
             raise usage_error(f"{rank_label(dead)} died (engine process gone). {RESTART_ADVICE}")
@@ -729,7 +741,7 @@ class DistributedMagics(Magics):
         if line.strip():
             raise usage_error(f"%dist_status takes no arguments, got {line.strip()!r}")
         if self.cluster is None:
-            raise usage_error("No cluster is running: start one with %dist_start")
+            raise self._no_cluster()
         busy = self._unfinished.pending_ranks() if self._unfinished else []
         return StatusTable(self.cluster.backend, self.cluster.status(), busy)
 

@@ -55,7 +55,6 @@ def test_a_hang_among_32_ranks_is_reported_in_a_few_lines(ip):
         assert any("ranks 0-4,6-31" in line and "line 2" in line for line in report), "\n".join(report)
 
 
-
 def test_a_kernel_restarted_in_the_middle_of_a_cell_leaves_nothing():
     manager, client, processes, workdir = start_kernel_with_cluster(2)
     try:
@@ -158,3 +157,31 @@ def test_fifty_restarts_after_a_hang_in_a_row(ip, healthy):
         assert error is None
         ports.add(shown_text(captured).splitlines()[-1])
     assert len(ports) > 1  # a fresh port, not one reused by a fixed choice
+
+
+def test_a_failed_restart_says_so_and_the_next_restart_starts_the_cluster_again(
+    ip, healthy, tmp_path, monkeypatch
+):
+    """A restart that fails (here: the notebook's PYTHONPATH now shadows torch with a broken
+    module, so the new zygote cannot import it) says what failed in one line, leaves nothing
+    running, and the next %dist_restart, once the cause is gone, starts the cluster as it was."""
+    processes = healthy.cluster.processes()
+    (tmp_path / "torch.py").write_text("raise ImportError('a broken torch on PYTHONPATH')\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    with pytest.raises(UsageError) as failed, capture_output():
+        ip.run_line_magic("dist_restart", "")
+    assert str(failed.value).startswith("%dist_restart failed: the engines' zygote exited")
+    assert "a broken torch on PYTHONPATH" in str(failed.value)
+    assert_gone(processes)
+    _, error = run_cell(ip, "", "print(rank)")
+    assert isinstance(error, UsageError)
+    assert str(error) == (
+        "No cluster is running: the last %dist_restart failed and stopped it (nothing of it is "
+        "left); %dist_restart starts it again as it was"
+    )
+    monkeypatch.delenv("PYTHONPATH")
+    with capture_output() as captured:
+        ip.run_line_magic("dist_restart", "")
+    assert captured.stdout.strip().endswith("2 ranks ready: backend gloo, world size 2, devices cpu x2")
+    captured, error = run_cell(ip, "", "t = torch.ones(1)\ndist.all_reduce(t)\nprint(t.item())")
+    assert error is None and shown_text(captured) == "[ranks 0,1]\n2.0"
