@@ -28,12 +28,12 @@ from pathlib import Path
 
 import ipyparallel as ipp
 import psutil
-from ipyparallel.error import CompositeError
+from ipyparallel.error import CompositeError, RemoteError
 from traitlets.config import Config
 
 from ddp_magics import protocol
+from ddp_magics.engine import debugging, recorder
 from ddp_magics.engine import rank as rank_code
-from ddp_magics.engine import recorder
 from ddp_magics.engine.zygote import ENDED_PREFIX
 from ddp_magics.launcher import StoppedFirstSSHEngineSetLauncher, Zygote, ZygoteEngineSetLauncher, ZygoteError
 from ddp_magics.lifetime import (
@@ -826,6 +826,45 @@ class RankCluster:
                 raise ClusterError(f"{name!r} is not defined on every rank") from None
             raise
         return dict(enumerate(values))
+
+    def call(self, ranks: list[int], function: Callable, *args) -> dict[int, object]:
+        """``function(*args)`` on each of ``ranks`` (idle ones), ``{rank: result}``; a ClusterError
+        naming the first rank that raised, with its exception in one line."""
+        results = self._view(ranks).apply_async(function, *args)
+        try:
+            values = self._within_timeout(results, f"running {function.__name__}")
+        except CompositeError as error:
+            engine_ranks = {info.engine_id: info.rank for info in self.ranks}
+            ename, evalue, _, engine_info = error.elist[0]
+            rank = engine_ranks.get(engine_info.get("engine_id"), "?")
+            raise ClusterError(f"rank {rank}: {ename}: {evalue}") from None
+        except RemoteError as error:
+            raise ClusterError(f"rank {ranks[0]}: {error.ename}: {error.evalue}") from None
+        return dict(zip(ranks, values if isinstance(values, list) else [values]))
+
+    def start_post_mortem(self, rank: int) -> str:
+        """Open pdb where ``rank``'s last cell raised; what pdb shows first (a ClusterError if no
+        cell raised there)."""
+        opened, shown = self.call([rank], debugging.start_post_mortem)[rank]
+        if not opened:
+            raise ClusterError(f"rank {rank}: {shown}")
+        return shown
+
+    def post_mortem_commands(self, rank: int, commands: list[str]) -> tuple[str, bool]:
+        """Run pdb commands in ``rank``'s open post-mortem: what they printed, whether it is still open."""
+        return self.call([rank], debugging.post_mortem_commands, commands)[rank]
+
+    def end_post_mortem(self, rank: int) -> None:
+        self.call([rank], debugging.end_post_mortem)
+
+    def snapshots(self, ranks: list[int], expression: str) -> dict[int, protocol.ValueSnapshot]:
+        """``expression`` evaluated on each of ``ranks``, as values to compare (``%dist_diff``); a
+        ClusterError naming the first rank where it raised."""
+        answers = self.call(ranks, debugging.snapshot, expression)
+        for rank, answer in answers.items():
+            if isinstance(answer, str):
+                raise ClusterError(f"rank {rank}: {answer}")
+        return answers
 
     def interrupt(self, ranks: list[int]) -> list[int]:
         """SIGINT to ``ranks``; those whose engine did not confirm it (see :meth:`signal`)."""

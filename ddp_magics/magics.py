@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from IPython.core.error import StdinNotImplementedError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
@@ -31,6 +32,7 @@ from ddp_magics.cluster import (
     RankCluster,
     Recovery,
 )
+from ddp_magics.diff import describe_differences
 from ddp_magics.errors import (
     RESTART_ADVICE,
     DeadRank,
@@ -321,6 +323,7 @@ class DistributedMagics(Magics):
         super().__init__(shell=shell, **kwargs)
         self.cluster: RankCluster | None = None
         self._restart_failed = False  # the last %dist_restart failed, stopping the cluster
+        self._last_raised: list[int] = []  # the ranks that raised in the last cell that failed
         self._unfinished: CellRun | None = None
         self._last_config: dict | None = None
         # The last %dist_recover's: per rank, names holding a destroyed group; the ends of the
@@ -551,6 +554,76 @@ class DistributedMagics(Magics):
         self._stale, self._cut_peers = done.stale, frozenset().union(*done.cut_peers.values())
         print(recovery_report(done, self.cluster.backend))
 
+    # ------------------------------------------------------------------ debugging
+    @magic_arguments()
+    @argument("--rank", type=int, default=None, help="the rank to debug (default: the lowest that raised)")
+    @argument("-c", dest="commands", default=None, help="pdb commands separated by ';', run without a prompt")
+    @line_magic
+    def dist_debug(self, line: str) -> None:
+        """pdb post-mortem on a rank where the last failed cell raised, like IPython's %debug:
+        at a prompt answered in the notebook, or running ``-c`` commands."""
+        args = parse_argstring(self.dist_debug, line)
+        cluster = self._ready_cluster()
+        if args.rank is None:
+            if not self._last_raised:
+                raise usage_error("%dist_debug: no rank raised in the last failed cell; name one with --rank")
+            rank = self._last_raised[0]
+        else:
+            rank = parse_rank_spec(str(args.rank), cluster.n)[0]
+        try:
+            shown = cluster.start_post_mortem(rank)
+        except ClusterError as error:
+            raise usage_error(f"%dist_debug: {error}") from None
+        print(f"[rank {rank}]")
+        print(shown, end="")
+        commands = args.commands
+        if commands and len(commands) > 1 and commands[0] == commands[-1] and commands[0] in "'\"":
+            commands = commands[1:-1]  # IPython's argument splitting keeps the quotes
+        try:
+            self._post_mortem(cluster, rank, commands)
+        except ClusterError as error:
+            raise usage_error(f"%dist_debug: {error}") from None
+
+    def _post_mortem(self, cluster: RankCluster, rank: int, commands_line: str | None) -> None:
+        """Feed pdb on ``rank`` the ``-c`` commands, or what is typed at the prompt until pdb ends."""
+        still_open = True
+        try:
+            if commands_line is not None:
+                commands = [command.strip() for command in commands_line.split(";") if command.strip()]
+                shown, still_open = cluster.post_mortem_commands(rank, commands)
+                print(shown, end="")
+                return
+            while still_open:
+                try:
+                    command = input(f"(Pdb rank {rank}) ")
+                except (StdinNotImplementedError, OSError):  # no stdin (nbval, nbclient; pytest's OSError)
+                    print('%dist_debug: no input can be read here; give pdb commands with -c "p x; w"')
+                    return
+                except (EOFError, KeyboardInterrupt):
+                    return
+                shown, still_open = cluster.post_mortem_commands(rank, [command])
+                print(shown, end="")
+        finally:
+            if still_open:
+                cluster.end_post_mortem(rank)
+
+    @line_magic
+    def dist_diff(self, line: str) -> None:
+        """``%dist_diff EXPR [--ranks SPEC]``: evaluate EXPR on every rank and show where the ranks
+        agree and where they differ (tensors, numbers, containers, a module's parameters and
+        buffers, an optimizer's state), each rank against the lowest."""
+        match = re.fullmatch(r"\s*(.*?)(?:\s+--ranks\s+(\S+))?\s*", line, re.DOTALL)
+        expression, spec = match[1], match[2]
+        if not expression:
+            raise usage_error("%dist_diff needs an expression, e.g. %dist_diff model")
+        cluster = self._ready_cluster()
+        ranks = parse_rank_spec(spec, cluster.n) if spec else list(range(cluster.n))
+        try:
+            snapshots = cluster.snapshots(ranks, expression)
+        except ClusterError as error:
+            raise usage_error(f"%dist_diff {expression}: {error}") from None
+        print("\n".join(describe_differences(expression, snapshots)))
+
     def _no_cluster(self) -> Exception:
         if self._restart_failed:
             return usage_error(
@@ -691,6 +764,7 @@ class DistributedMagics(Magics):
         ]
         if alive_pending:
             self._unfinished = run
+        self._last_raised = sorted(failure.rank for failure in failures)
         failed_or_dead = {failure.rank for failure in failures} | set(dead)
         raise DistributedCellError(
             failures=failures,

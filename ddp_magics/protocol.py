@@ -250,3 +250,12 @@ class Rejoined:
     # The peers ("[address]:port") of every connection recovery has cut on this rank: gloo names
     # one when an object holding an old group (a DDP wrapper) uses it.
     cut_peers: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class ValueSnapshot:
+    """What ``%dist_diff`` compares of one rank's value: its leaves by path (``weight``,
+    ``state.0.exp_avg``, ``[2]``), each a CPU tensor or a plain picklable value (else its repr)."""
+
+    type_name: str
+    leaves: dict[str, object]

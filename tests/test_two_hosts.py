@@ -102,6 +102,7 @@ def test_exit_kills_what_a_test_left_in_the_namespaces():
     assert_all_gone(hosts)
 
 
+@pytest.mark.timeout(900)  # the whole two-host suite, run by an inner pytest (about 5 minutes)
 def test_ranks_on_two_hosts_through_the_ssh_launcher():
     """tests/two_hosts_cases.py, run by pytest in namespace a (the notebook's host): 2 engines
     there and 2 in namespace b, each started over ssh. Afterwards neither namespace runs

@@ -1,0 +1,107 @@
+"""%dist_diff (where ranks' values agree and differ) and %dist_debug (pdb post-mortem on a rank
+that raised), on the real 2-rank gloo cluster."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from IPython.core.error import UsageError
+from IPython.utils.capture import capture_output
+
+from ddp_magics.errors import DistributedCellError
+from tests.conftest import run_cell
+
+
+def line_magic(ip, name: str, line: str) -> str:
+    with capture_output() as captured:
+        ip.run_line_magic(name, line)
+    return captured.stdout
+
+
+SET_UP = """\
+import torch.nn as nn
+torch.manual_seed(0)
+model = nn.Linear(3, 2)
+if rank == 1:
+    with torch.no_grad():
+        model.weight[1, 2] += 0.5
+same = torch.arange(4.0)
+scaled = torch.arange(4.0) * (1 + rank)
+shapes = torch.zeros(2 + rank)
+settings = {'lr': 0.1, 'steps': [10, 10 + rank]}
+"""
+
+
+def test_diff_shows_where_ranks_agree_and_differ(ip, healthy):
+    _, error = run_cell(ip, "", SET_UP)
+    assert error is None
+    assert line_magic(ip, "dist_diff", "model") == (
+        "model (Linear) on ranks 0,1, each compared with rank 0:\n"
+        "  weight  tensor (2, 3) float32  differs (rank 1: max |a-b| 0.5, first at [1, 2])\n"
+        "  bias    tensor (2,) float32  equal\n"
+        "1 of 2 entries differ.\n"
+    )
+    assert line_magic(ip, "dist_diff", "same") == (
+        "same (Tensor) on ranks 0,1, each compared with rank 0:\n  value  tensor (4,) float32  equal\n"
+    )
+    assert "differs (rank 1: max |a-b| 3, first at [1])" in line_magic(ip, "dist_diff", "scaled")
+    assert "shape differs on rank 1: rank 1 (3,)" in line_magic(ip, "dist_diff", "shapes")
+    assert line_magic(ip, "dist_diff", "settings --ranks 0-1") == (
+        "settings (dict) on ranks 0,1, each compared with rank 0:\n"
+        "  lr        equal: 0.1\n"
+        "  steps[0]  equal: 10\n"
+        "  steps[1]  differs on rank 1: rank 0 10, rank 1 11\n"
+        "1 of 3 entries differ.\n"
+    )
+    optimizer = "opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)\n"
+    optimizer += "model(torch.ones(1, 3)).sum().backward()\nopt.step()"
+    assert run_cell(ip, "", optimizer)[1] is None
+    shown = line_magic(ip, "dist_diff", "opt")
+    assert re.search(r"\n  state\.0\.momentum_buffer +tensor \(2, 3\) float32  equal\n", shown), shown
+    assert "param_groups.0.lr" in shown and "All entries equal." in shown
+
+
+def test_diff_of_an_expression_that_raises_is_one_line(ip, healthy):
+    with pytest.raises(UsageError) as refused:
+        ip.run_line_magic("dist_diff", "no_such_name + 1")
+    assert (
+        str(refused.value)
+        == "%dist_diff no_such_name + 1: rank 0: NameError: name 'no_such_name' is not defined"
+    )
+    with pytest.raises(UsageError, match="needs an expression"):
+        ip.run_line_magic("dist_diff", "")
+
+
+def test_post_mortem_on_the_rank_that_raised_with_its_locals(ip, healthy):
+    cell = "def f(x):\n    y = x * 2\n    return y / (x - 1)\nresult = f(rank)"
+    _, error = run_cell(ip, "", cell)
+    assert (
+        isinstance(error, DistributedCellError)
+        and str(error) == "rank 1 raised ZeroDivisionError: division by zero"
+    )
+    ip.run_line_magic("dist_diff", "rank")  # a request between the two is not what is debugged
+    shown = line_magic(ip, "dist_debug", "-c \"p x, y; u; p result if 'result' in dir() else None; q\"")
+    lines = shown.splitlines()
+    assert lines[0] == "[rank 1]"
+    assert lines[1].endswith("(3)f()") and lines[2] == "-> return y / (x - 1)"
+    assert "(1, 2)" in lines
+    up = next(i for i, line in enumerate(lines) if line.endswith("(4)<module>()"))
+    assert lines[up + 1 :] == ["-> result = f(rank)", "None"], shown  # up in the cell: no result yet
+    # The frames of IPython running the cell are left out of the stack.
+    assert "interactiveshell.py" not in line_magic(ip, "dist_debug", '-c "w"')
+
+
+def test_post_mortem_on_a_rank_that_never_raised_says_so(ip, healthy):
+    with pytest.raises(UsageError) as refused:
+        ip.run_line_magic("dist_debug", "--rank 0")
+    assert str(refused.value) == "%dist_debug: rank 0: no cell has raised on this rank"
+
+
+def test_post_mortem_without_input_ends_at_once(ip, healthy):
+    """No stdin (as under nbval; pytest's here): one line says how to give commands instead."""
+    _, error = run_cell(ip, "--ranks 1", "raise ValueError('look here')")
+    assert isinstance(error, DistributedCellError)
+    shown = line_magic(ip, "dist_debug", "")
+    assert shown.startswith("[rank 1]\n> ") and "raise ValueError('look here')" in shown
+    assert shown.endswith('%dist_debug: no input can be read here; give pdb commands with -c "p x; w"\n')
