@@ -10,7 +10,7 @@ from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
 from ddp_magics.errors import DistributedCellError
-from tests.conftest import run_cell
+from tests.conftest import assert_gone, run_cell, start_kernel_with_cluster
 
 
 def line_magic(ip, name: str, line: str) -> str:
@@ -105,3 +105,34 @@ def test_post_mortem_without_input_ends_at_once(ip, healthy):
     shown = line_magic(ip, "dist_debug", "")
     assert shown.startswith("[rank 1]\n> ") and "raise ValueError('look here')" in shown
     assert shown.endswith('%dist_debug: no input can be read here; give pdb commands with -c "p x; w"\n')
+
+
+def test_post_mortem_prompt_is_answered_in_the_front_end():
+    """In a real kernel, the prompt is the front end's input box (an input_request): ``p y``
+    shows the local of rank 1's failing frame, ``q`` ends the session."""
+    manager, client, processes, _ = start_kernel_with_cluster(2)
+    try:
+        failing = "%%distributed\ndef f(x):\n    y = x + 40\n    return y / 0\nf(rank)"
+        assert client.execute_interactive(failing, timeout=60)["content"]["status"] == "error"
+        answers = iter(["p y", "q"])
+        prompts, outputs = [], []
+
+        def answer(message):
+            prompts.append(message["content"]["prompt"])
+            client.input(next(answers))
+
+        reply = client.execute_interactive(
+            "%dist_debug --rank 1",
+            timeout=60,
+            allow_stdin=True,
+            stdin_hook=answer,
+            output_hook=outputs.append,
+        )
+        assert reply["content"]["status"] == "ok"
+        assert prompts == ["(Pdb rank 1) ", "(Pdb rank 1) "]
+        text = "".join(m["content"]["text"] for m in outputs if m["msg_type"] == "stream")
+        assert text.splitlines()[0] == "[rank 1]" and "41" in text.splitlines()
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+    assert_gone(processes)
