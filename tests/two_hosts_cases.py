@@ -304,3 +304,21 @@ def test_a_killed_remote_rank_is_replaced_on_its_host(ip, healthy):
     )
     assert error is None
     assert shown_text(captured) == "[rank 0]\n4.0 0\n[rank 1]\n4.0 1\n[rank 2]\n4.0 None\n[rank 3]\n4.0 3"
+
+
+RESTARTS_ENV = "DDP_MAGICS_TEST_TWO_HOST_RESTARTS"  # a longer run than make test's: e.g. 20
+
+
+def test_restarts_after_a_hang_in_a_row_across_hosts(ip, healthy):
+    """Issue 31: a restart after a hang (rank 0 on host a waiting for rank 3 on host b) works every
+    time, and leaves nothing of the old engines on either host."""
+    for _ in range(int(os.environ.get(RESTARTS_ENV, "5"))):
+        _, error = run_cell(ip, "--timeout 1", "if rank == 0:\n    dist.recv(torch.zeros(1), src=3)")
+        assert isinstance(error, DistributedCellError)
+        old = [psutil.Process(info.pid) for info in healthy.cluster.ranks]
+        with capture_output() as captured:
+            ip.run_line_magic("dist_restart", "")
+        assert captured.stdout.strip().endswith("4 ranks ready: backend gloo, world size 4, devices cpu x4")
+        assert_gone(old, timeout=10)
+        captured, error = run_cell(ip, "", "t = torch.ones(1)\ndist.all_reduce(t)\nprint(t.item())")
+        assert error is None and shown_text(captured) == "[ranks 0-3]\n4.0"
