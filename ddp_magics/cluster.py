@@ -149,6 +149,7 @@ class CellRun:
         # as its output is complete (possibly before this line runs).
         answers = result.metadata
         self._answers = dict(zip(ranks, [answers] if isinstance(answers, dict) else answers))
+        self._prompts_seen: dict[int, int] = {}  # per rank, the last debugger prompt answered
 
     def wait(self, timeout: float) -> bool:
         """Whether every rank has replied within ``timeout`` seconds."""
@@ -165,6 +166,19 @@ class CellRun:
         """The exception each failed rank answered with (RemoteError, or EngineError if it died)."""
         answers = self._answers.items()
         return {rank: answer["error"] for rank, answer in answers if answer["status"] == "error"}
+
+    def new_debugger_prompts(self) -> dict[int, protocol.DebuggerPrompt]:
+        """Ranks stopped in ``breakpoint()`` at a prompt not handed out before, with the prompt."""
+        prompts = {}
+        for rank in self.pending_ranks():
+            prompt = self.published(rank, protocol.DEBUGGER_KEY)
+            if prompt is not None and prompt.number > self._prompts_seen.get(rank, 0):
+                prompts[rank] = prompt
+        return prompts
+
+    def answer_prompt(self, rank: int, prompt: protocol.DebuggerPrompt) -> None:
+        """``prompt`` of ``rank`` has been answered: not a new prompt any more."""
+        self._prompts_seen[rank] = prompt.number
 
     def published(self, rank: int, key: str, wait: float = 0.0):
         """What ``rank`` last published under ``key`` in this cell (a data message); None if
@@ -865,6 +879,21 @@ class RankCluster:
             if isinstance(answer, str):
                 raise ClusterError(f"rank {rank}: {answer}")
         return answers
+
+    def debugger_input(self, rank: int, line: str) -> None:
+        """Hand ``line`` to ``rank``'s pdb, waiting at a prompt in ``breakpoint()``: a control
+        message (the rank's main thread is in the cell), which ipyparallel's client sends only
+        through its own method for its control requests; there is no public one for others."""
+        sent = self._client._send_control_request(
+            targets=[self.ranks[rank].engine_id],
+            msg_type=protocol.DEBUGGER_INPUT_REQUEST,
+            content={"line": line},
+            block=False,
+        )
+        try:
+            sent.result(timeout=SIGNAL_SECONDS)
+        except TimeoutError:
+            raise ClusterError(f"rank {rank} took no debugger line within {SIGNAL_SECONDS:g} s") from None
 
     def interrupt(self, ranks: list[int]) -> list[int]:
         """SIGINT to ``ranks``; those whose engine did not confirm it (see :meth:`signal`)."""

@@ -164,4 +164,6 @@ def failure_from_remote_error(rank: int, error: BaseException) -> RankFailure:
     ename = getattr(error, "ename", type(error).__name__)
     evalue = getattr(error, "evalue", str(error))
     traceback = getattr(error, "traceback", "") or ""
+    if ename == "DebuggerQuit":  # q at a breakpoint()'s prompt: the user ended the cell there
+        return RankFailure(rank=rank, ename=ename, evalue=evalue, traceback="")
     return RankFailure(rank=rank, ename=ename, evalue=evalue, traceback=traceback)

@@ -44,7 +44,7 @@ from ddp_magics.errors import (
 from ddp_magics.live_view import LiveView
 from ddp_magics.matching import Trace
 from ddp_magics.output import StatusTable, live_html, render
-from ddp_magics.protocol import TRACE_KEY, format_ranks, rank_label
+from ddp_magics.protocol import SKIP_BREAKPOINTS, TRACE_KEY, format_ranks, rank_label
 from ddp_magics.stacks import BlockedRank
 
 POLL_SECONDS = 0.1
@@ -686,13 +686,23 @@ class DistributedMagics(Magics):
         return self.cluster
 
     def _wait(self, run: CellRun, timeout: float) -> str:
-        """Wait for the ranks; returns why the wait ended (one of the ``ENDED_*``)."""
+        """Wait for the ranks; returns why the wait ended (one of the ``ENDED_*``). Time spent at
+        a rank's debugger prompt does not count towards the timeout or the error grace."""
         live = LiveView(self._in_kernel())
         started = time.monotonic()
         failed_since = None
         last_refresh = 0.0
+        no_input = False  # the front end gave no input once: later breakpoints are skipped
         try:
             while not run.wait(POLL_SECONDS):
+                prompts = run.new_debugger_prompts()
+                if prompts:
+                    paused = time.monotonic()
+                    no_input = self._answer_breakpoint(run, prompts, no_input)
+                    paused = time.monotonic() - paused
+                    started += paused
+                    failed_since = None if failed_since is None else failed_since + paused
+                    continue
                 now = time.monotonic()
                 if failed_since is None and run.errors():
                     failed_since = now
@@ -712,6 +722,31 @@ class DistributedMagics(Magics):
             return ENDED_INTERRUPT
         finally:
             live.close()
+
+    def _answer_breakpoint(self, run: CellRun, prompts: dict, no_input: bool) -> bool:
+        """Show the lowest stopped rank's pdb output and hand it the line typed at the notebook's
+        prompt; ranks stopped together are served in rank order. Without input (nbval, nbclient)
+        the cell's breakpoints are skipped, said once per rank. Returns whether input is missing."""
+        rank = min(prompts)
+        prompt = prompts[rank]
+        run.answer_prompt(rank, prompt)
+        if no_input:
+            self.cluster.debugger_input(rank, SKIP_BREAKPOINTS)
+            print(f"[rank {rank}] breakpoint() skipped: no input can be read here")
+            return True
+        if prompt.output:
+            print(f"[rank {rank}]\n{prompt.output}", end="" if prompt.output.endswith("\n") else "\n")
+        try:
+            line = input(f"(Pdb rank {rank}) ")
+        except (StdinNotImplementedError, OSError, EOFError):
+            self.cluster.debugger_input(rank, SKIP_BREAKPOINTS)
+            print(f"[rank {rank}] breakpoint() skipped: no input can be read here")
+            return True
+        except KeyboardInterrupt:  # the stop button at the prompt: end debugging and the cell
+            self.cluster.debugger_input(rank, "q")
+            raise
+        self.cluster.debugger_input(rank, line)
+        return False
 
     def _finish(
         self,

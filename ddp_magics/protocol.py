@@ -259,3 +259,19 @@ class ValueSnapshot:
 
     type_name: str
     leaves: dict[str, object]
+
+
+DEBUGGER_KEY = "ddp_magics.debugger"  # a DebuggerPrompt: a rank in breakpoint() waits for a line
+# The control message that carries a typed line to a rank at a debugger prompt (its main thread
+# is busy in the cell; the engine's control thread still answers).
+DEBUGGER_INPUT_REQUEST = "ddp_magics_debugger_input_request"
+# The line the notebook sends when no input can be read there: skip this cell's breakpoints.
+SKIP_BREAKPOINTS = "\x00skip"
+
+
+@dataclass(frozen=True)
+class DebuggerPrompt:
+    """A rank stopped in ``breakpoint()``: what pdb printed since its last prompt."""
+
+    number: int  # this rank's prompts so far in this cell
+    output: str

@@ -4,6 +4,7 @@ that raised), on the real 2-rank gloo cluster."""
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 from IPython.core.error import UsageError
@@ -136,3 +137,99 @@ def test_post_mortem_prompt_is_answered_in_the_front_end():
         client.stop_channels()
         manager.shutdown_kernel(now=True)
     assert_gone(processes)
+
+
+@pytest.fixture(scope="module")
+def kernel4():
+    """A real kernel with 4 ranks, whose prompts a test answers as a front end would."""
+    manager, client, processes, _ = start_kernel_with_cluster(4)
+    yield client
+    client.stop_channels()
+    manager.shutdown_kernel(now=True)
+    assert_gone(processes)
+
+
+def run_with_answers(client, cell: str, answers: list[str], delay: float = 0.0, allow_stdin: bool = True):
+    """Run ``cell``, answering each input request with the next of ``answers`` (after ``delay``
+    seconds); (status, prompts, shown text, error line)."""
+    pending = iter(answers)
+    prompts, outputs = [], []
+
+    def answer(message):
+        prompts.append(message["content"]["prompt"])
+        time.sleep(delay)
+        client.input(next(pending))
+
+    reply = client.execute_interactive(
+        cell, timeout=60, allow_stdin=allow_stdin, stdin_hook=answer, output_hook=outputs.append
+    )
+    text = ""
+    for message in outputs:
+        if message["msg_type"] == "stream":
+            text += message["content"]["text"]
+        elif message["msg_type"] == "display_data":
+            text += message["content"]["data"].get("text/plain", "") + "\n"
+    error = reply["content"].get("evalue") if reply["content"]["status"] == "error" else None
+    return reply["content"]["status"], prompts, text, error
+
+
+STEP = """\
+%%distributed --timeout 2
+def step(x):
+    y = x * 10
+    if rank in STOPPING:
+        breakpoint()
+    z = y + 1
+    return z
+t = torch.tensor([float(step(rank))])
+dist.all_reduce(t)
+print(rank, t.item())
+"""
+
+
+def test_breakpoint_on_one_rank_is_answered_in_the_front_end(kernel4):
+    """p of a local, n, p, c; the others wait in all_reduce; 3 s at the prompt are not a hang
+    (the cell's timeout is 2 s)."""
+    kernel4.execute_interactive("%%distributed\nSTOPPING = {1}", timeout=30)
+    status, prompts, text, _ = run_with_answers(kernel4, STEP, ["p y", "n", "n", "p z", "c"], delay=0.6)
+    assert status == "ok", text
+    assert prompts == ["(Pdb rank 1) "] * 5
+    assert "[rank 1]\n10\n" in text and "[rank 1]\n11\n" in text
+    assert "-> z = y + 1" in text
+    for rank in range(4):
+        assert f"[rank {rank}]\n{rank} 64.0" in text
+
+
+def test_two_ranks_stopping_are_served_in_rank_order(kernel4):
+    kernel4.execute_interactive("%%distributed\nSTOPPING = {1, 2}", timeout=30)
+    status, prompts, text, _ = run_with_answers(kernel4, STEP, ["p rank", "c", "p rank", "c"])
+    assert status == "ok", text
+    assert prompts == ["(Pdb rank 1) ", "(Pdb rank 1) ", "(Pdb rank 2) ", "(Pdb rank 2) "]
+    assert text.index("[rank 1]\n1\n") < text.index("[rank 2]\n2\n")
+
+
+def test_q_ends_the_cell_on_that_rank_in_one_line(kernel4):
+    cell = "%%distributed\nif rank == 1:\n    breakpoint()\nprint('after', rank)"
+    status, prompts, text, error = run_with_answers(kernel4, cell, ["q"])
+    assert status == "error" and prompts == ["(Pdb rank 1) "]
+    assert error == "rank 1 raised DebuggerQuit: the debugger was quit (q)"
+    assert "[rank 0]\nafter 0" in text and "after 1" not in text
+
+
+def test_without_input_a_breakpoint_is_skipped_with_one_line(kernel4):
+    """As under nbval or nbclient: nothing waits for input that cannot come."""
+    kernel4.execute_interactive("%%distributed\nSTOPPING = {1, 2}", timeout=30)
+    status, prompts, text, _ = run_with_answers(kernel4, STEP, [], allow_stdin=False)
+    assert status == "ok" and prompts == []
+    assert "[rank 1] breakpoint() skipped: no input can be read here" in text
+    assert "[rank 2] breakpoint() skipped: no input can be read here" in text
+    assert "[rank 3]\n3 64.0" in text
+
+
+def test_torch_distributed_breakpoint_stops_the_chosen_rank(kernel4):
+    cell = "%%distributed\nx = rank + 100\ndist.breakpoint(rank=2)\nprint('past', rank)"
+    status, prompts, text, _ = run_with_answers(kernel4, cell, ["up", "p x", "c"])
+    assert status == "ok", text
+    assert prompts == ["(Pdb rank 2) "] * 3
+    assert "Type 'up' to get to the frame that called dist.breakpoint(rank=2)" in text
+    assert "[rank 2]\n102\n" in text and "past 3" in text

@@ -1,5 +1,12 @@
-"""A rank's side of ``%dist_debug`` (pdb post-mortem on the rank's last error) and ``%dist_diff``
-(a picklable snapshot of a value to compare across ranks).
+"""A rank's side of debugging: ``breakpoint()`` in a cell (pdb whose prompt is answered in the
+notebook), ``%dist_debug`` (pdb post-mortem on the rank's last error) and ``%dist_diff`` (a
+picklable snapshot of a value to compare across ranks).
+
+``breakpoint()``, ``pdb.set_trace()`` and ``torch.distributed.breakpoint()`` on a rank open
+:class:`_NotebookPdb`: at each prompt it publishes what pdb printed as a data message of the
+running cell (``DEBUGGER_KEY``) and waits for a line, which the notebook sends as a control
+message (``DEBUGGER_INPUT_REQUEST``): the control thread answers while the main thread is in the
+cell, on any host, over the cluster's own channels.
 
 Both run on an idle rank through ordinary apply requests, so they need no channel of their own
 and work on any host. A post-mortem session stays open on the rank between requests: the
@@ -13,11 +20,132 @@ from __future__ import annotations
 import io
 import pdb
 import pickle
+import queue
 import sys
 
-from ddp_magics.protocol import ValueSnapshot
+from ddp_magics.protocol import (
+    DEBUGGER_INPUT_REQUEST,
+    DEBUGGER_KEY,
+    SKIP_BREAKPOINTS,
+    DebuggerPrompt,
+    ValueSnapshot,
+)
 
 _session: _PostMortem | None = None
+_lines: queue.Queue[str] = queue.Queue()  # typed lines for the rank's pdb, from the control thread
+_prompts = 0  # prompts published in this cell
+_skipping = False  # the notebook can read no input: this cell's breakpoints are skipped
+
+
+def install_notebook_debugger() -> None:
+    """Once per engine: ``breakpoint()``, ``pdb.set_trace()`` and ``torch.distributed.breakpoint()``
+    open a pdb answered from the notebook, and the control channel takes its lines."""
+    from IPython import get_ipython
+
+    kernel = get_ipython().kernel
+    kernel.control_handlers[DEBUGGER_INPUT_REQUEST] = _take_line
+    sys.breakpointhook = _breakpoint
+    pdb.set_trace = _set_trace
+    import torch.distributed
+
+    # torch.distributed.breakpoint (torch 2.13) stops one rank in the pdb this function makes,
+    # which reads /dev/stdin (an engine has none); the rest of it (skip, timeouts, the others'
+    # barrier) stays torch's.
+    torch.distributed._make_distributed_pdb = _NotebookPdb
+
+
+def new_cell() -> None:
+    """A cell starts: its breakpoints stop again, numbering prompts from 1."""
+    global _prompts, _skipping
+    _prompts, _skipping = 0, False
+    while not _lines.empty():
+        _lines.get_nowait()
+
+
+def _take_line(stream, ident, parent) -> None:
+    """The control thread's handler of ``DEBUGGER_INPUT_REQUEST``: queue the line, confirm."""
+    from IPython import get_ipython
+
+    _lines.put(parent["content"]["line"])
+    kernel = get_ipython().kernel
+    reply = {"status": "ok"}
+    kernel.session.send(stream, "ddp_magics_debugger_input_reply", reply, parent=parent, ident=ident)
+
+
+class _LineReader:
+    """pdb's stdin: each line it asks for is a prompt published to the notebook."""
+
+    def __init__(self, debugger: _NotebookPdb) -> None:
+        self.debugger = debugger
+
+    def readline(self) -> str:
+        global _prompts, _skipping
+        if _skipping:
+            return "c\n"
+        from IPython import get_ipython
+
+        _prompts += 1
+        prompt = DebuggerPrompt(number=_prompts, output=self.debugger.take_output())
+        get_ipython().data_pub.publish_data({DEBUGGER_KEY: prompt})
+        line = _lines.get()
+        if line == SKIP_BREAKPOINTS:
+            _skipping = True
+            self.debugger.clear_all_breaks()
+            return "c\n"
+        return line + "\n"
+
+
+# Modules whose frames pdb steps over: what runs a cell, not the user's code.
+_MACHINERY_MODULES = [
+    *("IPython.*", "ipykernel.*", "ipyparallel.*", "ddp_magics.*", "traitlets.*", "jupyter_client.*"),
+    *("zmq.*", "tornado.*", "asyncio.*", "comm.*", "contextlib", "codeop", "threading", "runpy"),
+]
+
+
+class DebuggerQuit(Exception):
+    """``q`` at a breakpoint()'s prompt: the cell ends on this rank, as if it raised there."""
+
+
+class _NotebookPdb(pdb.Pdb):
+    def __init__(self) -> None:
+        self.output = io.StringIO()
+        super().__init__(
+            stdin=_LineReader(self), stdout=self.output, skip=_MACHINERY_MODULES, nosigint=True, readrc=False
+        )
+        self.use_rawinput = False
+        self.prompt = ""  # the notebook shows its own, naming the rank
+
+    def take_output(self) -> str:
+        text = self.output.getvalue()
+        self.output.seek(0)
+        self.output.truncate()
+        return text
+
+    def do_quit(self, arg):
+        """q(uit): end the cell on this rank (pdb's own quit raises BdbQuit, which IPython ends
+        a cell on without reporting it)."""
+        self.clear_all_breaks()
+        self.set_continue()
+        sys.settrace(None)
+        raise DebuggerQuit("the debugger was quit (q)")
+
+    do_q = do_exit = do_quit
+
+
+def _breakpoint(*args, **kwargs) -> None:
+    if not _skipping:
+        _NotebookPdb().set_trace(sys._getframe().f_back)
+
+
+def _set_trace(*, header: str | None = None, **_) -> None:
+    if _skipping:
+        return
+    debugger = _NotebookPdb()
+    if header is not None:
+        debugger.message(header)
+    debugger.set_trace(sys._getframe().f_back)
+
+
 
 
 class _PostMortem(pdb.Pdb):

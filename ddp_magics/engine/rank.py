@@ -10,7 +10,7 @@ import os
 import socket
 import threading
 
-from ddp_magics.engine import recovery
+from ddp_magics.engine import debugging, recovery
 from ddp_magics.engine.inspector import start_inspector
 from ddp_magics.protocol import CELL_NUMBER_HEADER, EngineProbe, RankSetup, Rejoined
 
@@ -41,6 +41,7 @@ def take_cell_number(lines: list[str]) -> list[str]:
     shell = get_ipython()
     number = int(lines[0][len(CELL_NUMBER_HEADER) :].strip().rstrip("]"))
     shell.execution_count = number
+    debugging.new_cell()
     return lines[1:]
 
 
@@ -155,8 +156,9 @@ def setup_rank(setup: RankSetup) -> str:
     os.environ.setdefault("MPLBACKEND", INLINE_BACKEND)
 
     start_inspector()
-    if recovery.note_engine_event_loops():
+    if recovery.note_engine_event_loops():  # once per engine
         threading.Thread(target=_warm_up_error_reports, name="ddp_magics warm-up", daemon=True).start()
+        debugging.install_notebook_debugger()
     recovery.begin_forming()
 
     device = torch.device(setup.device)
