@@ -233,7 +233,7 @@ class RankCluster:
         backend: str = "auto",
         pg_timeout: float = 1800.0,
         heartbeat_ms: int = 100,
-        link_loss_seconds: float = 60.0,
+        link_loss_seconds: float = 30.0,
         engine_timeout: float = 60.0,
         engine_launcher: str = "local",
         hosts: list[HostSpec] | None = None,

@@ -246,9 +246,10 @@ class DistributedMagics(Magics):
         help="ipyparallel heartbeat period (ms); an engine silent for 3 s is dead whatever the period.",
     )
     link_loss_tolerance = Float(
-        60.0,
+        30.0,
         config=True,
-        help="Seconds ranks on other hosts may go unheard (a network blip) before they count as dead.",
+        help="Seconds ranks on other hosts may go unheard (a network blip) before they count as dead "
+        "(their lifeline to the kernel ends them after about 30 s without a link anyway).",
     )
     trace_values_limit = Integer(
         16, config=True, help="Traced tensors with at most this many elements keep their values."
