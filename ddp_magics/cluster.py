@@ -48,6 +48,7 @@ from ddp_magics.lifetime import (
 )
 from ddp_magics.output import RankOutput
 from ddp_magics.private_files import UnsafeDirectory, private_root, write_atomically
+from ddp_magics.stacks import formatting_an_error, parse_stack_dump
 
 BACKENDS = ("auto", "gloo", "nccl")
 # ipyparallel's names for its engine launchers that ddp_magics knows how to set up.
@@ -548,9 +549,18 @@ class RankCluster:
         if unfinished is not None:
             busy = self._busy_after(unfinished, alive, CUT_WAIT_SECONDS)
             if busy:
-                progress(f"interrupting {protocol.rank_label(busy)}")
-                self.interrupt(busy)
-                interrupted = busy
+                # A rank whose collective the cut ended may still be formatting its error (slow on
+                # a loaded machine): its stack says so, and it is left to finish.
+                dumps = self.inspect(unfinished, busy)
+                interrupted = [
+                    rank
+                    for rank in busy
+                    if rank not in dumps or not formatting_an_error(parse_stack_dump(dumps[rank].stack))
+                ]
+            if interrupted:
+                progress(f"interrupting {protocol.rank_label(interrupted)}")
+                self.interrupt(interrupted)
+            if busy:
                 stuck = self._busy_after(unfinished, alive, interrupt_grace)
                 if stuck:
                     raise ClusterError(

@@ -199,9 +199,10 @@ def recovery_report(recovery: Recovery, backend: str) -> str:
         by_names.setdefault(names, []).append(rank)
     for names, ranks in by_names.items():
         listed = ", ".join(f"{name} ({kind})" for name, kind in names)
+        verb, them = ("holds", "it") if len(names) == 1 else ("hold", "them")
         lines.append(
-            f"Stale on {rank_label(ranks)}: {listed} hold the old process group; make them again "
-            "(dist.new_group, DDP(...), ...) before using them."
+            f"Stale on {rank_label(ranks)}: {listed} {verb} the old process group; make {them} again "
+            f"(dist.new_group, DDP(...), ...) before using {them}."
         )
     return "\n".join(lines)
 

@@ -43,6 +43,19 @@ def cell_frames(threads: list[list[Frame]]) -> list[Frame]:
     return []
 
 
+def formatting_an_error(threads: list[list[Frame]]) -> bool:
+    """Whether the thread running the cell is in IPython showing the cell's error (the cell has
+    raised and is about to end), not in the cell's code."""
+    for frames in threads:
+        for index, frame in enumerate(frames):
+            if frame.function == "run_code" and frame.filename.endswith("interactiveshell.py"):
+                return any(
+                    inner.filename.endswith("ultratb.py") or "/stack_data/" in inner.filename
+                    for inner in frames[:index]
+                )
+    return False
+
+
 @dataclass(frozen=True)
 class BlockedRank:
     """Where a rank that did not finish is, read from its stack dump."""
