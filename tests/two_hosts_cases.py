@@ -21,6 +21,7 @@ import psutil
 import pytest
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
+from jupyter_client.manager import start_new_kernel
 
 from ddp_magics.errors import DistributedCellError
 from tests.conftest import assert_gone, current_magics, run_cell, shown_text
@@ -322,3 +323,36 @@ def test_restarts_after_a_hang_in_a_row_across_hosts(ip, healthy):
         assert_gone(old, timeout=10)
         captured, error = run_cell(ip, "", "t = torch.ones(1)\ndist.all_reduce(t)\nprint(t.item())")
         assert error is None and shown_text(captured) == "[ranks 0-3]\n4.0"
+
+
+def test_breakpoint_on_a_remote_rank_is_answered_in_the_front_end(ssh):
+    """Issue 23 on two hosts: a real kernel (as JupyterLab runs one) with ranks on a and b; rank 3,
+    on b, stops in breakpoint() and its prompt is answered through the kernel's input request."""
+    manager, client = start_new_kernel(kernel_name="python3")
+    try:
+        config = os.environ[SSH_CONFIG_ENV]
+        start = (
+            f"%load_ext ddp_magics\n%config DistributedMagics.ssh_command = ['ssh', '-F', {config!r}]\n"
+            f"%dist_start --hosts {HOSTS} --backend gloo"
+        )
+        assert client.execute_interactive(start, timeout=120)["content"]["status"] == "ok"
+        answers = iter(["p rank, os.environ['MASTER_ADDR']", "c"])
+        prompts, outputs = [], []
+
+        def answer(message):
+            prompts.append(message["content"]["prompt"])
+            client.input(next(answers))
+
+        cell = "%%distributed\nimport os\nif rank == 3:\n    breakpoint()\n"
+        cell += "t = torch.ones(1)\ndist.all_reduce(t)\nprint(t.item())"
+        reply = client.execute_interactive(
+            cell, timeout=60, allow_stdin=True, stdin_hook=answer, output_hook=outputs.append
+        )
+        text = "".join(m["content"]["text"] for m in outputs if m["msg_type"] == "stream")
+        assert reply["content"]["status"] == "ok", text
+        assert prompts == ["(Pdb rank 3) ", "(Pdb rank 3) "]
+        assert f"(3, '{HOST_A}')" in text.splitlines()
+        assert client.execute_interactive("%dist_stop", timeout=60)["content"]["status"] == "ok"
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
