@@ -201,11 +201,11 @@ def test_breakpoint_on_one_rank_is_answered_in_the_front_end(kernel4):
 
 
 def test_two_ranks_stopping_are_served_in_rank_order(kernel4):
-    kernel4.execute_interactive("%%distributed\nSTOPPING = {1, 2}", timeout=30)
+    kernel4.execute_interactive("%%distributed\nSTOPPING = {0, 2}", timeout=30)  # rank 0 too
     status, prompts, text, _ = run_with_answers(kernel4, STEP, ["p rank", "c", "p rank", "c"])
     assert status == "ok", text
-    assert prompts == ["(Pdb rank 1) ", "(Pdb rank 1) ", "(Pdb rank 2) ", "(Pdb rank 2) "]
-    assert text.index("[rank 1]\n1\n") < text.index("[rank 2]\n2\n")
+    assert prompts == ["(Pdb rank 0) ", "(Pdb rank 0) ", "(Pdb rank 2) ", "(Pdb rank 2) "]
+    assert text.index("[rank 0]\n0\n") < text.index("[rank 2]\n2\n")
 
 
 def test_q_ends_the_cell_on_that_rank_in_one_line(kernel4):

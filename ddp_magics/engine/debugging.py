@@ -37,6 +37,23 @@ _prompts = 0  # prompts published in this cell
 _skipping = False  # the notebook can read no input: this cell's breakpoints are skipped
 
 
+class _CellNames:
+    """pdb naming a notebook cell as tracebacks do (``Cell In[9](3)f()``), not by the file IPython
+    keeps its source in (``/tmp/ipykernel_4242/2783094.py``)."""
+
+    def format_stack_entry(self, frame_lineno, lprefix=": "):
+        text = super().format_stack_entry(frame_lineno, lprefix)
+        filename = self.canonic(frame_lineno[0].f_code.co_filename)
+        from IPython import get_ipython
+
+        named = get_ipython().compile.format_code_name(filename)
+        return text.replace(filename, " ".join(named), 1) if named else text
+
+
+def notebook_debugger_installed() -> bool:
+    return sys.breakpointhook is _breakpoint
+
+
 def install_notebook_debugger() -> None:
     """Once per engine: ``breakpoint()``, ``pdb.set_trace()`` and ``torch.distributed.breakpoint()``
     open a pdb answered from the notebook, and the control channel takes its lines."""
@@ -106,7 +123,7 @@ class DebuggerQuit(Exception):
     """``q`` at a breakpoint()'s prompt: the cell ends on this rank, as if it raised there."""
 
 
-class _NotebookPdb(pdb.Pdb):
+class _NotebookPdb(_CellNames, pdb.Pdb):
     def __init__(self) -> None:
         self.output = io.StringIO()
         super().__init__(
@@ -148,7 +165,7 @@ def _set_trace(*, header: str | None = None, **_) -> None:
 
 
 
-class _PostMortem(pdb.Pdb):
+class _PostMortem(_CellNames, pdb.Pdb):
     """pdb at a traceback, driven one command at a time, writing into a buffer."""
 
     def __init__(self, traceback) -> None:

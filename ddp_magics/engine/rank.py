@@ -156,9 +156,10 @@ def setup_rank(setup: RankSetup) -> str:
     os.environ.setdefault("MPLBACKEND", INLINE_BACKEND)
 
     start_inspector()
-    if recovery.note_engine_event_loops():  # once per engine
-        threading.Thread(target=_warm_up_error_reports, name="ddp_magics warm-up", daemon=True).start()
+    recovery.note_engine_event_loops()
+    if not debugging.notebook_debugger_installed():  # once per engine
         debugging.install_notebook_debugger()
+        threading.Thread(target=_warm_up_error_reports, name="ddp_magics warm-up", daemon=True).start()
     recovery.begin_forming()
 
     device = torch.device(setup.device)

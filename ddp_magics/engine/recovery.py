@@ -49,15 +49,12 @@ _forming = False
 cut_peers: set[str] = set()
 
 
-def note_engine_event_loops() -> bool:
+def note_engine_event_loops() -> None:
     """Once, before the first process group forms: the epoll instances the engine itself made
-    (zmq's, the kernel's asyncio loop), which recovery never touches. Whether this was the first
-    time."""
+    (zmq's, the kernel's asyncio loop), which recovery never touches."""
     global _engine_event_loops
-    if _engine_event_loops is not None:
-        return False
-    _engine_event_loops = frozenset(_event_loops())
-    return True
+    if _engine_event_loops is None:
+        _engine_event_loops = frozenset(_event_loops())
 
 
 def start_connection_cutter() -> None:
