@@ -732,7 +732,7 @@ class DistributedMagics(Magics):
         rank = min(prompts)
         prompt = prompts[rank]
         run.answer_prompt(rank, prompt)
-        if no_input:
+        if no_input or not self._input_allowed():
             self.cluster.debugger_input(rank, SKIP_BREAKPOINTS)
             print(f"[rank {rank}] breakpoint() skipped: no input can be read here")
             return True
@@ -889,6 +889,14 @@ class DistributedMagics(Magics):
         if running is not None and running.execution_count is not None:
             return running.execution_count
         return self.shell.execution_count
+
+    def _input_allowed(self) -> bool:
+        """Whether the front end that sent the running cell takes input (nbval and nbclient do
+        not); True outside a kernel, where input() reads the terminal."""
+        kernel = getattr(self.shell, "kernel", None)
+        if kernel is None:
+            return True
+        return bool(kernel.get_parent("shell").get("content", {}).get("allow_stdin", False))
 
     def _in_kernel(self) -> bool:
         return getattr(self.shell, "kernel", None) is not None
