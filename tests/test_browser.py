@@ -404,3 +404,24 @@ def test_four_ranks_then_shut_down_kernel_from_the_menu(lab, open_notebook):
     assert_gone(processes, timeout=3)
     notebook.screenshot("kernel-shut-down")
     assert not notebook.console_errors
+
+
+def test_breakpoint_on_a_rank_is_answered_in_the_input_box(lab, open_notebook):
+    """Issue 23: rank 1's pdb prompt is JupyterLab's own input box; typing `p x` shows rank 1's x,
+    `c` lets the cell finish."""
+    stop = "%%distributed\nx = rank + 40\nif rank == 1:\n    breakpoint()\nprint('done', rank)"
+    notebook = open_notebook(lab.add_notebook("debug.ipynb", [START, stop, "%dist_stop"]))
+    notebook.run_and_wait(0)
+    notebook.run(1)
+    for command, shown in (("p x", "41"), ("c", "done 1")):
+        box = notebook.cell(1).locator(".jp-Stdin-input:enabled").last  # a box answered stays, disabled
+        expect(box).to_be_visible(timeout=30_000)
+        expect(notebook.cell(1).locator(".jp-Stdin-prompt").last).to_contain_text("(Pdb rank 1)")
+        box.fill(command)
+        box.press("Enter")
+        expect(notebook.cell(1)).to_contain_text(shown, timeout=30_000)
+    notebook.wait_done(1)
+    notebook.screenshot("breakpoint")
+    assert "done 0" in notebook.text(1)
+    notebook.run_and_wait(2)
+    assert not notebook.console_errors
