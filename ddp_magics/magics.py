@@ -662,7 +662,7 @@ class DistributedMagics(Magics):
             except ClusterError as error:
                 raise usage_error(f"--trace/--diagram: {error}") from None
         run = cluster.execute(cell, ranks, self._cell_number())
-        ended = self._wait(run, timeout)
+        ended = self._wait(run, timeout, cell)
         self._finish(
             run,
             cell,
@@ -687,7 +687,7 @@ class DistributedMagics(Magics):
             self._unfinished = None
         return self.cluster
 
-    def _wait(self, run: CellRun, timeout: float) -> str:
+    def _wait(self, run: CellRun, timeout: float, cell: str = "") -> str:
         """Wait for the ranks; returns why the wait ended (one of the ``ENDED_*``). Time spent at
         a rank's debugger prompt does not count towards the timeout or the error grace."""
         live = LiveView(self._in_kernel())
@@ -700,7 +700,7 @@ class DistributedMagics(Magics):
                 prompts = run.new_debugger_prompts()
                 if prompts:
                     paused = time.monotonic()
-                    no_input = self._answer_breakpoint(run, prompts, no_input)
+                    no_input = self._answer_breakpoint(run, prompts, no_input, cell)
                     paused = time.monotonic() - paused
                     started += paused
                     failed_since = None if failed_since is None else failed_since + paused
@@ -725,7 +725,20 @@ class DistributedMagics(Magics):
         finally:
             live.close()
 
-    def _answer_breakpoint(self, run: CellRun, prompts: dict, no_input: bool) -> bool:
+    def _show_where_the_others_are(self, run: CellRun, stopped: int, cell: str) -> None:
+        """As a rank first stops in pdb: where the ranks still running are (one line per place)."""
+        others = [rank for rank in run.pending_ranks() if rank != stopped]
+        if not others:
+            return
+        dumps = self.cluster.inspect(run, others, wait=1.0)
+        places: dict[str, list[int]] = {}
+        for rank in others:
+            blocked = BlockedRank.from_dump(rank, dumps[rank].stack if rank in dumps else None, cell)
+            places.setdefault(blocked.where(), []).append(rank)
+        for where, ranks in places.items():
+            print(f"[{rank_label(ranks)}] meanwhile {where}")
+
+    def _answer_breakpoint(self, run: CellRun, prompts: dict, no_input: bool, cell: str) -> bool:
         """Show the lowest stopped rank's pdb output and hand it the line typed at the notebook's
         prompt; ranks stopped together are served in rank order. Without input (nbval, nbclient)
         the cell's breakpoints are skipped, said once per rank. Returns whether input is missing."""
@@ -738,8 +751,10 @@ class DistributedMagics(Magics):
             return True
         if prompt.output:
             print(f"[rank {rank}]\n{prompt.output}", end="" if prompt.output.endswith("\n") else "\n")
+        if prompt.number == 1:
+            self._show_where_the_others_are(run, rank, cell)
         try:
-            line = input(f"(Pdb rank {rank}) ")
+            line = input(f">>> (rank {rank}) " if prompt.console else f"(Pdb rank {rank}) ")
         except (StdinNotImplementedError, OSError, EOFError):
             self.cluster.debugger_input(rank, SKIP_BREAKPOINTS)
             print(f"[rank {rank}] breakpoint() skipped: no input can be read here")

@@ -275,3 +275,4 @@ class DebuggerPrompt:
 
     number: int  # this rank's prompts so far in this cell
     output: str
+    console: bool = False  # at pdb's ``interact`` console (Python lines), not at pdb's prompt

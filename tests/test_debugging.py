@@ -196,6 +196,9 @@ def test_breakpoint_on_one_rank_is_answered_in_the_front_end(kernel4):
     assert prompts == ["(Pdb rank 1) "] * 5
     assert "[rank 1]\n10\n" in text and "[rank 1]\n11\n" in text
     assert "-> z = y + 1" in text
+    # Where the others were as rank 1 stopped (in all_reduce, or on their way to it).
+    meanwhile = re.findall(r"^\[ranks? ([\d,-]+)\] meanwhile (.+)$", text, re.MULTILINE)
+    assert sorted(r for ranks, _ in meanwhile for r in map(int, re.split("[,-]", ranks))) == [0, 2, 3], text
     for rank in range(4):
         assert f"[rank {rank}]\n{rank} 64.0" in text
 
@@ -206,6 +209,23 @@ def test_two_ranks_stopping_are_served_in_rank_order(kernel4):
     assert status == "ok", text
     assert prompts == ["(Pdb rank 0) ", "(Pdb rank 0) ", "(Pdb rank 2) ", "(Pdb rank 2) "]
     assert text.index("[rank 0]\n0\n") < text.index("[rank 2]\n2\n")
+
+
+def test_interact_is_a_console_typed_at_the_notebook_prompt(kernel4):
+    kernel4.execute_interactive("%%distributed\nSTOPPING = {1}", timeout=30)
+    answers = ["interact", "y * 3", "w = y + 2", "exit()", "p w", "c"]
+    status, prompts, text, _ = run_with_answers(kernel4, STEP, answers)
+    assert status == "ok", text
+    assert prompts == [
+        "(Pdb rank 1) ",
+        ">>> (rank 1) ",
+        ">>> (rank 1) ",
+        ">>> (rank 1) ",
+        "(Pdb rank 1) ",
+        "(Pdb rank 1) ",
+    ]
+    assert "*interactive* (exit() goes back to pdb)" in text and "\n30\n" in text
+    assert "*** NameError: name 'w' is not defined" in text  # the console's names stay in the console
 
 
 def test_q_ends_the_cell_on_that_rank_in_one_line(kernel4):

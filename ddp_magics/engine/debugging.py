@@ -17,6 +17,8 @@ becomes the engine's last error (``sys.last_traceback``), which is what post-mor
 
 from __future__ import annotations
 
+import code
+import contextlib
 import io
 import pdb
 import pickle
@@ -95,14 +97,14 @@ class _LineReader:
     def __init__(self, debugger: _NotebookPdb) -> None:
         self.debugger = debugger
 
-    def readline(self) -> str:
+    def readline(self, console: bool = False) -> str:
         global _prompts, _skipping
         if _skipping:
             return "c\n"
         from IPython import get_ipython
 
         _prompts += 1
-        prompt = DebuggerPrompt(number=_prompts, output=self.debugger.take_output())
+        prompt = DebuggerPrompt(number=_prompts, output=self.debugger.take_output(), console=console)
         get_ipython().data_pub.publish_data({DEBUGGER_KEY: prompt})
         line = _lines.get()
         if line == SKIP_BREAKPOINTS:
@@ -147,6 +149,34 @@ class _NotebookPdb(_CellNames, pdb.Pdb):
         raise DebuggerQuit("the debugger was quit (q)")
 
     do_q = do_exit = do_quit
+
+    def do_interact(self, arg):
+        """interact: a Python console in the current frame's namespace, its lines typed at the
+        notebook's prompt like pdb's; exit() goes back to pdb."""
+        namespace = {**self.curframe.f_globals, **self.curframe_locals}
+        console = _NotebookConsole(self.stdin, namespace)
+        saved_displayhook, sys.displayhook = sys.displayhook, sys.__displayhook__  # not IPython's Out[]
+        try:
+            with contextlib.redirect_stdout(self.output), contextlib.redirect_stderr(self.output):
+                console.interact(banner="*interactive* (exit() goes back to pdb)", exitmsg="")
+        finally:
+            sys.displayhook = saved_displayhook
+
+
+class _NotebookConsole(code.InteractiveConsole):
+    """``interact``'s console: each line comes from the notebook, as pdb's do."""
+
+    def __init__(self, reader: _LineReader, namespace: dict) -> None:
+        super().__init__(namespace)
+        self.reader = reader
+
+    def raw_input(self, prompt: str = "") -> str:
+        if _skipping:
+            raise EOFError
+        line = self.reader.readline(console=True).rstrip("\n")
+        if line.strip() in ("exit()", "quit()", "exit", "quit"):
+            raise EOFError
+        return line
 
 
 def _breakpoint(*args, **kwargs) -> None:
