@@ -151,6 +151,7 @@ class CellRun:
         answers = result.metadata
         self._answers = dict(zip(ranks, [answers] if isinstance(answers, dict) else answers))
         self._prompts_seen: dict[int, int] = {}  # per rank, the last debugger prompt answered
+        self.quitting_debugger: set[int] = set()  # ranks sent q by the stop button
 
     def wait(self, timeout: float) -> bool:
         """Whether every rank has replied within ``timeout`` seconds."""
@@ -176,6 +177,9 @@ class CellRun:
             if prompt is not None and prompt.number > self._prompts_seen.get(rank, 0):
                 prompts[rank] = prompt
         return prompts
+
+    def quit_debugging(self, rank: int) -> None:
+        self.quitting_debugger.add(rank)
 
     def answer_prompt(self, rank: int, prompt: protocol.DebuggerPrompt) -> None:
         """``prompt`` of ``rank`` has been answered: not a new prompt any more."""

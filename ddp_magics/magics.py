@@ -717,7 +717,8 @@ class DistributedMagics(Magics):
                     last_refresh = now
             return ENDED_DONE
         except KeyboardInterrupt:
-            pending = run.pending_ranks()
+            # A rank whose pdb was just quit ends by itself: an interrupt would cut its error short.
+            pending = [rank for rank in run.pending_ranks() if rank not in run.quitting_debugger]
             if pending:
                 self.cluster.interrupt(pending)
             run.wait(self.interrupt_grace)
@@ -761,6 +762,7 @@ class DistributedMagics(Magics):
             return True
         except KeyboardInterrupt:  # the stop button at the prompt: end debugging and the cell
             self.cluster.debugger_input(rank, "q")
+            run.quit_debugging(rank)
             raise
         self.cluster.debugger_input(rank, line)
         return False

@@ -139,10 +139,14 @@ def test_post_mortem_prompt_is_answered_in_the_front_end():
     assert_gone(processes)
 
 
+KERNEL_MANAGERS = {}  # kernel4's client -> its manager (for the stop button)
+
+
 @pytest.fixture(scope="module")
 def kernel4():
     """A real kernel with 4 ranks, whose prompts a test answers as a front end would."""
     manager, client, processes, _ = start_kernel_with_cluster(4)
+    KERNEL_MANAGERS[client] = manager
     yield client
     client.stop_channels()
     manager.shutdown_kernel(now=True)
@@ -234,6 +238,27 @@ def test_q_ends_the_cell_on_that_rank_in_one_line(kernel4):
     assert status == "error" and prompts == ["(Pdb rank 1) "]
     assert error == "rank 1 raised DebuggerQuit: the debugger was quit (q)"
     assert "[rank 0]\nafter 0" in text and "after 1" not in text
+
+
+def test_the_stop_button_at_a_prompt_ends_debugging_and_the_cell(kernel4):
+    """Interrupting the kernel at rank 1's prompt quits its pdb (the cell ends there) and interrupts
+    the others; the ranks left in all_reduce come back with %dist_recover."""
+    kernel4.execute_interactive("%%distributed\nSTOPPING = {1}", timeout=30)
+    prompts = []
+
+    def stop_button(message):
+        prompts.append(message["content"]["prompt"])
+        KERNEL_MANAGERS[kernel4].interrupt_kernel()
+
+    reply = kernel4.execute_interactive(STEP, timeout=60, allow_stdin=True, stdin_hook=stop_button)
+    assert prompts == ["(Pdb rank 1) "]
+    assert reply["content"]["status"] == "error"
+    assert "rank 1 raised DebuggerQuit: the debugger was quit (q)" in reply["content"]["evalue"]
+    status, _, text, _ = run_with_answers(kernel4, "%dist_recover", [])
+    assert status == "ok" and "\nRecovered: a new gloo process group of 4 ranks" in "\n" + text, text
+    check = "%%distributed\nt = torch.ones(1)\ndist.all_reduce(t)\nprint(t.item())"
+    status, _, text, _ = run_with_answers(kernel4, check, [])
+    assert status == "ok" and "[ranks 0-3]\n4.0" in text, text
 
 
 def test_without_input_a_breakpoint_is_skipped_with_one_line(kernel4):
