@@ -726,6 +726,12 @@ class DistributedMagics(Magics):
         finally:
             live.close()
 
+    def _skip_breakpoints(self, rank: int) -> bool:
+        """No input can be read here: ``rank`` skips this cell's breakpoints, said in one line."""
+        self.cluster.debugger_input(rank, SKIP_BREAKPOINTS)
+        print(f"[rank {rank}] breakpoint() skipped: no input can be read here")
+        return True
+
     def _show_where_the_others_are(self, run: CellRun, stopped: int, cell: str) -> None:
         """As a rank first stops in pdb: where the ranks still running are (one line per place)."""
         others = [rank for rank in run.pending_ranks() if rank != stopped]
@@ -747,9 +753,7 @@ class DistributedMagics(Magics):
         prompt = prompts[rank]
         run.answer_prompt(rank, prompt)
         if no_input or not self._input_allowed():
-            self.cluster.debugger_input(rank, SKIP_BREAKPOINTS)
-            print(f"[rank {rank}] breakpoint() skipped: no input can be read here")
-            return True
+            return self._skip_breakpoints(rank)
         if prompt.output:
             print(f"[rank {rank}]\n{prompt.output}", end="" if prompt.output.endswith("\n") else "\n")
         if prompt.number == 1:
@@ -757,9 +761,7 @@ class DistributedMagics(Magics):
         try:
             line = input(f">>> (rank {rank}) " if prompt.console else f"(Pdb rank {rank}) ")
         except (StdinNotImplementedError, OSError, EOFError):
-            self.cluster.debugger_input(rank, SKIP_BREAKPOINTS)
-            print(f"[rank {rank}] breakpoint() skipped: no input can be read here")
-            return True
+            return self._skip_breakpoints(rank)
         except KeyboardInterrupt:  # the stop button at the prompt: end debugging and the cell
             self.cluster.debugger_input(rank, "q")
             run.quit_debugging(rank)
