@@ -48,7 +48,7 @@ from ddp_magics.lifetime import (
 )
 from ddp_magics.output import RankOutput
 from ddp_magics.private_files import UnsafeDirectory, private_root, write_atomically
-from ddp_magics.stacks import formatting_an_error, parse_stack_dump
+from ddp_magics.stacks import cell_frames, formatting_an_error, parse_stack_dump
 
 BACKENDS = ("auto", "gloo", "nccl")
 # ipyparallel's names for its engine launchers that ddp_magics knows how to set up.
@@ -541,12 +541,15 @@ class RankCluster:
         if not alive:
             raise ClusterError("every rank is dead; %dist_restart starts new ones")
         progress("cutting the process groups' connections")
-        unreachable = self.signal(protocol.CUT_CONNECTIONS_SIGNAL, alive)
+        # Just after a network outage, TCP resends only when its back-off timer fires (up to as
+        # long as the outage was): ranks on other hosts get as long as a link may be lost.
+        answer_seconds = SIGNAL_SECONDS if self.engine_launcher == "local" else self.link_loss_seconds
+        unreachable = self.signal(protocol.CUT_CONNECTIONS_SIGNAL, alive, timeout=answer_seconds)
         if unreachable:
             hosts = sorted({self.ranks[rank].host for rank in unreachable})
             raise ClusterError(
                 f"{protocol.rank_label(unreachable)} on {', '.join(hosts)} did not answer within "
-                f"{SIGNAL_SECONDS:g} s (host unreachable?); try again once the network is back, or "
+                f"{answer_seconds:g} s (host unreachable?); try again once the network is back, or "
                 "%dist_restart for new engines"
             )
         interrupted = []
@@ -567,11 +570,7 @@ class RankCluster:
             if busy:
                 stuck = self._busy_after(unfinished, alive, interrupt_grace)
                 if stuck:
-                    raise ClusterError(
-                        f"{protocol.rank_label(stuck)} did not stop within {interrupt_grace:g} s of an "
-                        "interrupt (stuck in C code that ignores signals?); %dist_restart starts new "
-                        "engines (every rank's state is lost)"
-                    )
+                    self._wait_for_far_answers(unfinished, stuck, interrupt_grace, progress)
         renumbered: dict[int, int] = {}
         if dead and shrink:
             renumbered = {old: new for new, old in enumerate(alive)}
@@ -598,6 +597,38 @@ class RankCluster:
             cut_peers={rank: answer.cut_peers for rank, answer in rejoined.items()},
             seconds=time.monotonic() - started,
         )
+
+    def _wait_for_far_answers(
+        self, run: CellRun, stuck: list[int], interrupt_grace: float, progress: Progress
+    ) -> None:
+        """Ranks still running ``run`` after an interrupt: a ClusterError for those whose stack
+        shows them in the cell, or for all of them if every engine is local. A rank on another
+        host that is not in the cell (or whose stack does not come) may be waiting for its
+        connection to this machine to come back after a network outage (TCP resends only after
+        a back-off, up to as long as the outage): its answer is waited for up to
+        ``link_loss_seconds``."""
+        if self.engine_launcher == "local":
+            in_the_cell = stuck
+        else:
+            dumps = self.inspect(run, stuck)
+            in_the_cell = [
+                rank for rank in stuck if rank in dumps and cell_frames(parse_stack_dump(dumps[rank].stack))
+            ]
+        if in_the_cell:
+            raise ClusterError(
+                f"{protocol.rank_label(in_the_cell)} did not stop within {interrupt_grace:g} s of an "
+                "interrupt (stuck in C code that ignores signals?); %dist_restart starts new "
+                "engines (every rank's state is lost)"
+            )
+        hosts = ", ".join(sorted({self.ranks[rank].host for rank in stuck}))
+        progress(f"waiting for {protocol.rank_label(stuck)} on {hosts} to answer (a link coming back?)")
+        silent = self._busy_after(run, stuck, self.link_loss_seconds)
+        if silent:
+            raise ClusterError(
+                f"{protocol.rank_label(silent)} on {hosts} did not answer within "
+                f"{self.link_loss_seconds:g} s (still cut off?); try again once the network is back, "
+                "or %dist_restart for new engines"
+            )
 
     def _busy_after(self, run: CellRun, alive: list[int], seconds: float) -> list[int]:
         """The living ranks still running ``run`` after waiting up to ``seconds`` for them."""
@@ -671,6 +702,12 @@ class RankCluster:
         """Rank 0 opens a new rendezvous, then every rank runs ``joiner(info)(its setup)``;
         each rank's answer."""
         setups = self._setups()
+        gone = [info.rank for info in self.ranks if info.engine_id not in self._client.ids]
+        if gone:
+            raise ClusterError(
+                f"{protocol.rank_label(gone)} died (or lost its link to this machine) just now; "
+                "%dist_recover again replaces it, %dist_restart starts new engines"
+            )
         rank0 = self._client[self.ranks[0].engine_id]
         opening = rank0.apply_async(rank_code.open_rendezvous, setups[0])
         port = self._within_timeout(opening, "opening rank 0's store")
@@ -736,6 +773,18 @@ class RankCluster:
             return result.get(timeout=self.engine_timeout)
         except TimeoutError:
             raise ClusterError(f"engines still busy {doing} after {self.engine_timeout:g} s") from None
+        except CompositeError as error:
+            engine_ranks = {info.engine_id: info.rank for info in self.ranks}
+            died = [
+                engine_ranks.get(engine_info.get("engine_id"))
+                for ename, _, _, engine_info in error.elist
+                if ename == "EngineError"
+            ]
+            if not died:
+                raise
+            known = sorted(rank for rank in died if rank is not None)
+            who = protocol.rank_label(known) if known else f"{len(died)} new engine(s)"
+            raise ClusterError(f"{who} died while {doing}") from None
 
     def stop(self) -> None:
         """Stop controller and engines and remove the cluster's files. Safe to call twice."""

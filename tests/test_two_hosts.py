@@ -21,7 +21,7 @@ from ddp_magics.lifetime import (
     OWNER_GONE_EXIT_CODE,
 )
 from tests.two_hosts import HOST_A, HOST_B, TwoHosts, skip_reason
-from tests.two_hosts_cases import SSH_CONFIG_ENV, VETH_ENV
+from tests.two_hosts_cases import LINK_ENV, SSH_CONFIG_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = "tests/two_hosts_cases.py"
@@ -108,7 +108,11 @@ def test_ranks_on_two_hosts_through_the_ssh_launcher():
     there and 2 in namespace b, each started over ssh. Afterwards neither namespace runs
     anything but its sshd."""
     with TwoHosts(exit_grace=0) as hosts:
-        environment = {**os.environ, SSH_CONFIG_ENV: hosts.ssh_config, VETH_ENV: hosts.veth_a}
+        environment = {
+            **os.environ,
+            SSH_CONFIG_ENV: hosts.ssh_config,
+            LINK_ENV: f"{hosts.ns_a}/{hosts.veth_a} {hosts.ns_b}/{hosts.veth_b}",
+        }
         inner = subprocess.run(
             hosts.in_a([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", CASES]),
             capture_output=True,

@@ -28,7 +28,8 @@ from tests.conftest import assert_gone, current_magics, run_cell, shown_text
 from tests.two_hosts import HOST_A, HOST_B
 
 SSH_CONFIG_ENV = "DDP_MAGICS_TEST_SSH_CONFIG"
-VETH_ENV = "DDP_MAGICS_TEST_VETH_A"  # host a's end of the link to host b
+LINK_ENV = "DDP_MAGICS_TEST_LINK"  # "ns_a/veth_a ns_b/veth_b": each host's end of the link
+NOWHERE_MAC = "02:00:00:00:00:01"  # a locally administered address no interface here has
 pytestmark = pytest.mark.skipif(SSH_CONFIG_ENV not in os.environ, reason="run by tests/test_two_hosts.py")
 HOSTS = f"{HOST_A}:2,{HOST_B}:2"
 
@@ -224,12 +225,30 @@ def test_what_a_remote_rank_started_ends_with_its_engine(ip, healthy):
 
 @contextmanager
 def link_down(after: float, seconds: float):
-    """The link between the hosts down (packets just stop: no FIN, no RST) from ``after`` seconds
-    on, for ``seconds``: leaving waits until it is up again (at once if the block raised)."""
-    veth = os.environ[VETH_ENV]
+    """The link between the hosts down from ``after`` seconds on, for ``seconds``: leaving waits
+    until it is up again (at once if the block raised). Down as when a switch between them
+    fails: each host goes on sending, to a hardware address nobody has, so what it sends is lost
+    on the way (no FIN, no RST, TCP resends with its usual back-off), and each host's own address
+    keeps working for its own processes. (Taking an interface down, or dropping in its queue,
+    is a local error instead: TCP then gives up on a connection within seconds.)"""
+    ends = [end.split("/") for end in os.environ[LINK_ENV].split()]
+    peers = {ends[0][0]: HOST_B, ends[1][0]: HOST_A}
+
+    lock = threading.Lock()
+    applied: list[str] = []
 
     def set_link(state: str) -> None:
-        subprocess.run(["ip", "link", "set", veth, state], check=True)
+        with lock:
+            if (applied[-1] if applied else "up") == state:
+                return
+            for namespace, veth in ends:
+                if state == "down":
+                    lost = ["lladdr", NOWHERE_MAC, "nud", "permanent"]
+                    change = ["replace", peers[namespace], *lost, "dev", veth]
+                else:
+                    change = ["del", peers[namespace], "dev", veth]  # the next packet asks again (ARP)
+                subprocess.run(["ip", "-n", namespace, "neigh", *change], check=True)
+            applied.append(state)
 
     down = threading.Timer(after, set_link, ("down",))
     up = threading.Timer(after + seconds, set_link, ("up",))
@@ -240,6 +259,7 @@ def link_down(after: float, seconds: float):
     except BaseException:
         down.cancel()
         up.cancel()
+        down.join()
         set_link("up")
         raise
     down.join()
