@@ -84,7 +84,10 @@ class Step:
 
     def title(self) -> str:
         if self.kind == TRANSFER and self.send and self.recv:
-            return f"{self.op} rank {self.send.rank} -> rank {self.recv.rank}"
+            made_by = self.send.made_by or self.recv.made_by
+            return f"{self.op} rank {self.send.rank} -> rank {self.recv.rank}" + (
+                f" ({made_by})" if made_by else ""
+            )
         first = self.events[self.ranks[0]]
         if self.kind == SOLO:
             if self.waited is None:
@@ -120,7 +123,11 @@ def _collective_title(step: Step) -> str:
         words.append(first.reduce_op)
     if first.root is not None and first.op == step.op:
         words.append(f"{'from' if OPS[first.op].root == 'src' else 'to'} rank {first.root}")
-    return " ".join(words) + f" on {group_label(step.group)}"
+    words.append(f"on {group_label(step.group)}")
+    makers = list(dict.fromkeys(event.made_by for event in step.events.values() if event.made_by))
+    if makers:
+        words.append(f"({', '.join(makers)})")
+    return " ".join(words)
 
 
 def _role(step: Step, event: TraceEvent) -> str:
@@ -278,7 +285,7 @@ def _collective_mismatches(step: Step, traced: set[int]) -> list[Mismatch]:
     nth = f"collective #{step.index} on {group_label(step.group)}"
     missing = [rank for rank in step.missing if rank in traced]
     if missing:
-        called = ", ".join(f"rank {r} called {e.op} at {e.where()}" for r, e in sorted(events.items()))
+        called = ", ".join(f"rank {r} called {e.what()} at {e.where()}" for r, e in sorted(events.items()))
         found.append(
             Mismatch(
                 MISSING_CALL,
@@ -287,7 +294,7 @@ def _collective_mismatches(step: Step, traced: set[int]) -> list[Mismatch]:
             )
         )
     if len({event.op for event in events.values()}) > 1:
-        called = ", ".join(f"rank {r} called {e.op} at {e.where()}" for r, e in sorted(events.items()))
+        called = ", ".join(f"rank {r} called {e.what()} at {e.where()}" for r, e in sorted(events.items()))
         found.append(Mismatch(DIFFERENT_OPS, f"{nth}: {called}", tuple(events.values())))
         return found  # shapes, roots and reduce ops of different ops are not comparable
     for kind, describe in (

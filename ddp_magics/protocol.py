@@ -182,26 +182,37 @@ class TraceEvent:
     end: float | None = None
     status: str = RUNNING
     error: str | None = None
+    # Who made the call, if not the cell through torch.distributed's functions: "DDP bucket 0",
+    # "DDP construction", "DTensor", "FSDP", "pipelining", "broadcast_object_list", ...
+    made_by: str | None = None
 
     @property
     def is_collective(self) -> bool:
         return self.op in OPS and not OPS[self.op].p2p
 
     def call(self) -> str:
-        """``recv from rank 1``, ``all_reduce SUM on ranks 0,1``, ``wait for isend #2``."""
+        """``recv from rank 1``, ``all_reduce SUM on ranks 0,1 (DDP bucket 0)``, ``wait for isend
+        (call #2)``."""
         if self.op == WAIT:
             return f"wait for {self.waited_op} (call #{self.waits_for})"
         if self.op in SENDS:
-            return f"{self.op} to rank {self.peer}"
-        if self.op in RECVS:
-            return f"{self.op} from {'any rank' if self.peer is None else f'rank {self.peer}'}"
-        words = [self.op]
-        if self.reduce_op:
-            words.append(self.reduce_op)
-        if self.root is not None:
-            words.append(f"{'from' if OPS[self.op].root == 'src' else 'to'} rank {self.root}")
-        words.append(f"on {group_label(self.group)}")
+            words = [f"{self.op} to rank {self.peer}"]
+        elif self.op in RECVS:
+            words = [f"{self.op} from {'any rank' if self.peer is None else f'rank {self.peer}'}"]
+        else:
+            words = [self.op]
+            if self.reduce_op:
+                words.append(self.reduce_op)
+            if self.root is not None:
+                words.append(f"{'from' if OPS[self.op].root == 'src' else 'to'} rank {self.root}")
+            words.append(f"on {group_label(self.group)}")
+        if self.made_by:
+            words.append(f"({self.made_by})")
         return " ".join(words)
+
+    def what(self) -> str:
+        """``all_reduce``, or ``all_reduce (DDP bucket 0)`` for a library's call."""
+        return f"{self.op} ({self.made_by})" if self.made_by else self.op
 
     def where(self) -> str:
         return f"line {self.line}" if self.line is not None else "an unknown line"

@@ -95,6 +95,8 @@ class BlockedRank:
             parts.append(f"in {self.traced_call}")
         elif self.dist_call:
             parts.append(f"in {self.dist_call}")
+        elif self.frames and self.frames[-1].function == _AUTOGRAD_ENGINE_CALL:
+            parts.append("in backward")
         if self.cell_line is not None:
             parts.append(f"at cell line {self.cell_line}")
         return " ".join(parts) or "at an unknown place"
@@ -105,6 +107,11 @@ class BlockedRank:
         lines = []
         if self.source_line is not None:
             lines.append(f"    line {self.cell_line}: {self.source_line}")
+        if not self.traced_call and self.frames and self.frames[-1].function == _AUTOGRAD_ENGINE_CALL:
+            lines.append(
+                "    (in backward's C++ code, where DDP's reducer all-reduces gradients: "
+                "%%distributed --trace names the call it waits in)"
+            )
         if self.frames:
             lines.append("    Python stack, most recent call last:")
             cell_file = self.frames[0].filename
@@ -130,5 +137,7 @@ def short_path(filename: str, cell_file: str) -> str:
     return filename[standard_library.end() :] if standard_library else filename
 
 
+# torch.autograd.graph's call into the C++ engine: below it, backward's hooks (DDP's reducer).
+_AUTOGRAD_ENGINE_CALL = "_engine_run_backward"
 _STANDARD_LIBRARY = re.compile(r"/lib/python\d+\.\d+/")
 _PACKAGE_DIR = str(Path(__file__).resolve().parent) + os.sep

@@ -270,28 +270,48 @@ def test_long_trace_is_summarised(ip, cluster4):
     assert notes == ["... 24 more steps not drawn; all steps: 40 x all_reduce"]
 
 
-def test_tracing_is_off_unless_asked_and_unwraps_after_the_cell(ip, cluster4):
-    check = "print(dist.all_reduce is torch.distributed.distributed_c10d.all_reduce)"
-    captured, error = run_cell(ip, "", check)
-    assert error is None and shown_text(captured) == "[ranks 0-3]\nTrue"
-    captured, error = run_cell(ip, "--trace during", check)
-    assert error is None and shown_text(captured) == "[ranks 0-3]\nFalse"  # wrapped during the cell
-    captured, error = run_cell(ip, "", check)
-    assert error is None and shown_text(captured) == "[ranks 0-3]\nTrue"
+def test_tracing_is_off_unless_asked_and_leaves_nothing_after_the_cell(ip, cluster4):
+    """Traced or not, torch.distributed's functions stay torch's own (code that holds them or
+    checks them, as P2POp does, runs unchanged); our kernels on the dispatcher and the wait of
+    handles are there for the traced cell only."""
+    check = (
+        "from torch.distributed import distributed_c10d as c10d\n"
+        "print(dist.all_reduce is c10d.all_reduce, dist.isend is c10d.isend,\n"
+        "      torch._C._dispatch_has_kernel_for_dispatch_key('c10d::allreduce_', 'BackendSelect'),\n"
+        "      type(c10d.Work.wait).__name__ == 'instancemethod')"  # pybind's, not ours
+    )
+    untraced = "True True False True"
+    for line, expected in (("", untraced), ("--trace during", "True True True False"), ("", untraced)):
+        captured, error = run_cell(ip, line, check)
+        assert error is None and shown_text(captured) == f"[ranks 0-3]\n{expected}"
 
 
-def test_a_torch_without_some_traced_function_is_traced_all_the_same(ip, cluster4):
-    """torch before 2.13 has no ``reduce_scatter_single`` (seen on a GPU machine's torch 2.11):
-    the functions it has are traced, and nothing stays wrapped after the cell."""
-    run_cell(ip, "", "kept = dist.reduce_scatter_single\ndel dist.reduce_scatter_single")
-    try:
-        captured, error = run_cell(ip, "--trace older", "t = torch.ones(1)\ndist.all_reduce(t)")
-        assert error is None and [step.op for step in ip.user_ns["older"].steps] == ["all_reduce"]
-        check = "print(dist.all_reduce is torch.distributed.distributed_c10d.all_reduce)"
-        captured, error = run_cell(ip, "", check)
-        assert error is None and shown_text(captured) == "[ranks 0-3]\nTrue"
-    finally:
-        run_cell(ip, "", "dist.reduce_scatter_single = kept")
+def test_functions_imported_before_the_trace_and_p2p_ops_are_traced(ip, cluster4):
+    """What holds torch.distributed's functions themselves: names imported before the traced
+    cell, and batch_isend_irecv's P2POp (which checks it was given dist.isend itself)."""
+    run_cell(ip, "", "from torch.distributed import all_reduce as reduce_early")
+    cell = (
+        "t = torch.tensor([float(rank)])\n"
+        "reduce_early(t)\n"
+        "right, left = (rank + 1) % world_size, (rank - 1) % world_size\n"
+        "got = torch.zeros(1)\n"
+        "ops = [dist.P2POp(dist.isend, t, right), dist.P2POp(dist.irecv, got, left)]\n"
+        "for request in dist.batch_isend_irecv(ops):\n"
+        "    request.wait()\n"
+        "print(t.item(), got.item())"
+    )
+    captured, error = run_cell(ip, "--trace early", cell)
+    assert error is None, error
+    assert shown_text(captured) == "[ranks 0-3]\n6.0 6.0"
+    trace = ip.user_ns["early"]
+    assert not trace.mismatches
+    paired = [step.op for step in trace.steps if step.kind != "solo"]
+    assert paired == ["all_reduce"] + ["isend/irecv"] * WORLD
+    assert {e.line for step in trace.steps for e in step.events.values() if e.op == "all_reduce"} == {2}
+    transfers = [step for step in trace.steps if step.kind == "transfer"]
+    ring = [(r, (r + 1) % WORLD) for r in range(WORLD)]
+    assert sorted((s.send.rank, s.recv.rank) for s in transfers) == ring
+    assert all(s.recv.after[0].values == (6.0,) for s in transfers)
 
 
 def test_a_traced_cell_keeps_no_reference_to_its_groups(ip, cluster4):

@@ -1,23 +1,36 @@
-"""Recording torch.distributed calls on a rank (the engine side of tracing).
+"""Recording what a rank's process groups do (the engine side of tracing).
 
-``start_trace`` wraps the communication functions of ``torch.distributed`` for the next cell
-and unwraps them when that cell ends (IPython's ``post_execute``). Every call becomes a
-:class:`~ddp_magics.protocol.TraceEvent` (plain, picklable data) kept in memory and published
-to the notebook (a data message of the cell, ``TRACE_KEY``) when the cell ends. The events of a
-cell that blocks in C code reach the notebook with the rank's stack, through
-:mod:`ddp_magics.engine.inspector`. When tracing is off nothing is wrapped.
+Every call into a process group, whoever makes it, goes through PyTorch's dispatcher as a
+``c10d::`` op: ``dist.all_reduce`` from a cell, DDP's reducer from C++ during backward, the
+functional collectives of DTensor, FSDP2, pipelining's batched sends. ``start_trace`` registers,
+for the next cell only, a kernel of ours for each of these ops on the dispatcher's
+``BackendSelect`` key, which every call passes (inference tensors too); it records the call and
+hands it on, unchanged, to the backend's kernel. The user's own ``work.wait()`` on a handle is
+seen by replacing ``Work.wait`` for the cell (the handle the op returns is the object its caller
+gets). Nothing of ``torch.distributed`` is replaced, so code that holds its functions
+(``from torch.distributed import all_reduce``, ``P2POp(dist.isend, ...)``) runs as untraced.
+
+Every call becomes a :class:`~ddp_magics.protocol.TraceEvent` (plain, picklable data) kept in
+memory and published to the notebook (a data message of the cell, ``TRACE_KEY``) when the cell
+ends (IPython's ``post_execute``). A call made by a library is labelled with who made it
+(``DDP bucket 0``, ``DTensor``, ``broadcast_object_list``) and placed at the user's line that
+led to it (``loss.backward()``). The events of a cell that blocks in C code reach the notebook
+with the rank's stack, through :mod:`ddp_magics.engine.inspector`.
+
+Why not a ``TorchDispatchMode`` (as ``CommDebugMode`` is): it runs Python for every tensor op of
+the cell, which made a small DDP training step 1.7 times slower here; these kernels run only for
+the process groups' own calls.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 import itertools
 import sys
+import threading
 import time
 import weakref
-from dataclasses import replace
+from typing import NamedTuple
 
 from ddp_magics.protocol import (
     DEFAULT_VALUES_LIMIT,
@@ -26,17 +39,79 @@ from ddp_magics.protocol import (
     OPS,
     RUNNING,
     TRACE_KEY,
-    TRACED_OPS,
     WAIT,
     WAITING,
-    OpSpec,
     TensorInfo,
     TraceEvent,
 )
 
 
+class C10dOp(NamedTuple):
+    """Where a ``c10d::`` op's arguments are (positions in its schema, torch 2.13)."""
+
+    op: str  # the trace's name for it (the torch.distributed function that makes it)
+    group: int
+    inputs: int | None = None  # a tensor, a list of tensors or a list of lists
+    outputs: int | None = None
+    reduce_op: int | None = None
+    root: int | None = None  # a rank of the group
+    peer: int | None = None  # a rank of the group
+    tag: int | None = None
+    async_op: int | None = None  # the caller asked for a handle (None: the op has no such flag)
+
+
+C10D_OPS: dict[str, C10dOp] = {
+    "allreduce_": C10dOp("all_reduce", 1, inputs=0, outputs=0, reduce_op=2, async_op=4),
+    "allreduce_coalesced_": C10dOp("all_reduce", 1, inputs=0, outputs=0, reduce_op=2, async_op=3),
+    "broadcast_": C10dOp("broadcast", 1, inputs=0, outputs=0, root=2, async_op=4),
+    "reduce_": C10dOp("reduce", 1, inputs=0, outputs=0, reduce_op=2, root=3, async_op=5),
+    "allgather_": C10dOp("all_gather", 2, inputs=1, outputs=0, async_op=3),
+    "allgather_coalesced_": C10dOp("all_gather", 2, inputs=1, outputs=0, async_op=3),
+    "_allgather_base_": C10dOp("all_gather_into_tensor", 2, inputs=1, outputs=0, async_op=3),
+    "allgather_into_tensor_coalesced_": C10dOp("all_gather_into_tensor", 2, inputs=1, outputs=0, async_op=3),
+    "gather_": C10dOp("gather", 2, inputs=1, outputs=0, root=3, async_op=4),
+    "scatter_": C10dOp("scatter", 2, inputs=1, outputs=0, root=3, async_op=4),
+    "reduce_scatter_": C10dOp("reduce_scatter", 2, inputs=1, outputs=0, reduce_op=3, async_op=4),
+    "_reduce_scatter_base_": C10dOp("reduce_scatter_tensor", 2, inputs=1, outputs=0, reduce_op=3, async_op=4),
+    "reduce_scatter_tensor_coalesced_": C10dOp(
+        "reduce_scatter_tensor", 2, inputs=1, outputs=0, reduce_op=3, async_op=4
+    ),
+    "alltoall_": C10dOp("all_to_all", 2, inputs=1, outputs=0, async_op=3),
+    "alltoall_base_": C10dOp("all_to_all_single", 2, inputs=1, outputs=0, async_op=5),
+    "barrier": C10dOp("barrier", 1, async_op=3),
+    "monitored_barrier_": C10dOp("barrier", 1),
+    "send": C10dOp("isend", 1, inputs=0, peer=2, tag=3),
+    "recv_": C10dOp("irecv", 1, inputs=0, outputs=0, peer=2, tag=3),
+    "recv_any_source_": C10dOp("irecv", 1, inputs=0, outputs=0, tag=2),
+}
+# torch.distributed functions named in a trace for the op they make, where the names differ.
+API_OPS = {
+    "send": "isend",  # blocking: the trace says send, and no wait of its own
+    "recv": "irecv",
+    "all_gather_single": "all_gather_into_tensor",
+    "reduce_scatter_single": "reduce_scatter_tensor",
+}
+
+# Libraries that make calls, by the module their code is in: the outermost one on the stack
+# names the maker (DTensor calls the functional collectives, FSDP calls DTensor).
+MAKERS = (
+    ("torch.nn.parallel.distributed", "DDP"),
+    ("torch.distributed.fsdp", "FSDP"),
+    ("torch.distributed.tensor", "DTensor"),
+    ("torch.distributed.pipelining", "pipelining"),
+    ("torch.distributed.optim", "ZeroRedundancyOptimizer"),
+    ("torch.distributed.checkpoint", "distributed checkpoint"),
+    ("torch.distributed.algorithms", "DDP communication hook"),
+    ("torch.distributed._functional_collectives", "functional collectives"),
+    ("torch.distributed.device_mesh", "DeviceMesh"),
+)
+DDP_PHASES = {"__init__": "DDP construction", "forward": "DDP forward"}
+_API_MODULE = "torch.distributed.distributed_c10d"
+_AUTOGRAD_MODULE = "torch.autograd"
+
+
 class Tracer:
-    """Wraps torch.distributed's communication functions and records each call."""
+    """Records every call into this rank's process groups while installed."""
 
     def __init__(self, values_limit: int) -> None:
         import torch
@@ -49,107 +124,227 @@ class Tracer:
         self.events: list[TraceEvent] = []
         self.active = False
         self._seq = itertools.count(1)
-        self._originals: dict[str, object] = {}
-        self._groups: dict[int, tuple[object, tuple[int, ...] | None, str | None]] = {}
-        self._nested = False
+        self._library = None
+        self._original_wait = None
+        self._groups: dict[int, tuple[object, tuple[int, ...], str]] = {}
         self._known: dict[int, tuple] = {}  # id -> (weak reference, TensorInfo without values, small)
+        # id(work) -> (work, its event, the call's output tensors): handles not finished yet.
+        self._pending: dict[int, tuple[object, TraceEvent, tuple]] = {}
+        self._finished_elsewhere: list[tuple[TraceEvent, tuple]] = []  # outputs read at the end
+        self._buckets: dict[int, int] = {}  # backward pass -> DDP buckets reduced so far
+        self._main_thread = threading.main_thread()
 
     # ---------------------------------------------------------------- install / remove
     def install(self) -> None:
-        # Wrapped all at once or not at all: a wrapper left behind would outlive the cell.
-        wrappers = {
-            name: self._wrap(name, getattr(self._dist, name))
-            for name in TRACED_OPS
-            if hasattr(self._dist, name)  # a torch older than 2.13 lacks its newest names
-        }
-        for name, wrapper in wrappers.items():
-            self._originals[name] = wrapper.__wrapped__
-            setattr(self._dist, name, wrapper)
+        torch = self._torch
+        work_type = self._dist.distributed_c10d.Work
+        # Everything registered at once or nothing: a kernel left behind would outlive the cell.
+        library = torch.library.Library("c10d", "IMPL")
+        try:
+            for name, spec in C10D_OPS.items():
+                if torch._C._dispatch_has_kernel(f"c10d::{name}"):  # an older torch may lack one
+                    library.impl(name, self._kernel(name, spec), "BackendSelect")
+        except BaseException:
+            library._destroy()
+            raise
+        self._library = library
+        self._original_wait = work_type.wait
+        tracer = self
+
+        def wait(work, *args, **kwargs):
+            return tracer._wait(work, args, kwargs)
+
+        work_type.wait = wait
         self.active = True
 
     def remove(self) -> None:
-        for name, original in self._originals.items():
-            setattr(self._dist, name, original)
-        self._originals.clear()
+        if self._library is not None:
+            # torch.library drops a registration when the Library is garbage collected; this
+            # drops it now (there is no public way to).
+            self._library._destroy()
+            self._library = None
+        if self._original_wait is not None:
+            self._dist.distributed_c10d.Work.wait = self._original_wait
+            self._original_wait = None
         self.active = False
-        # Let go of the cell's groups and tensors: a group the user deletes must really go
-        # (destroying and re-forming the default group on the same port relies on it).
+        # A call whose handle nobody waited on in Python (DDP's reducer and the functional
+        # collectives wait in C++) is done if the cell got past it; its results are read now.
+        for _, event, outputs in self._pending.values():
+            if event.status == RUNNING and event.made_by is not None:
+                event.status, event.end = DONE, time.time()
+                self._finished_elsewhere.append((event, outputs))
+        for event, outputs in self._finished_elsewhere:
+            if event.after is None and event.status == DONE:
+                event.after = self._tensors(outputs)
+        # Let go of the cell's groups, handles and tensors: a group the user deletes must really
+        # go (destroying and re-forming the default group on the same port relies on it).
+        self._pending.clear()
+        self._finished_elsewhere.clear()
         self._groups.clear()
         self._known.clear()
 
     # ---------------------------------------------------------------- recording
-    def _wrap(self, name: str, original):
-        # Runs between two communication calls, when the CPU caches hold the tensors' data rather
-        # than this code: so as few lookups and calls as possible.
-        spec = OPS[name]
-        parameter_names = tuple(inspect.signature(original).parameters)
-        now, groups, events, sequence = time.time, self._groups, self.events, self._seq
-        tensors, rank = self._tensors, self.rank
-        default_async = name in ("isend", "irecv")
+    def _kernel(self, name: str, spec: C10dOp):
+        torch = self._torch
+        op = getattr(torch.ops.c10d, name).default
+        below = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.BackendSelect)
+        unbox = self._dist.ProcessGroup.unbox
+        include_set = torch._C._dispatch_tls_local_include_set
+        exclude_set = torch._C._dispatch_tls_local_exclude_set
+        tensor_type = torch.Tensor
+        work_type = self._dist.distributed_c10d.Work
 
-        @functools.wraps(original)
         def traced(*args, **kwargs):
-            if self._nested:  # a traced function calling another: record the outer call only
-                return original(*args, **kwargs)
-            arguments = dict(zip(parameter_names, args))
-            if kwargs:
-                arguments.update(kwargs)
-            group_object = arguments.get("group")
-            group = groups.get(id(group_object)) or self._group(group_object)
-            if group[1] is None:  # this rank is not in the group: torch makes the call a no-op
-                return original(*args, **kwargs)
-            before = tensors(arguments, spec.inputs)
-            event = TraceEvent(
-                rank,
-                next(sequence),
-                name,
-                group[1],
-                group[2],
-                tag=arguments.get("tag", 0),
-                before=before,
-                async_op=arguments.get("async_op", default_async),
-                line=cell_line(2),  # cell_line <- traced <- the caller
-                start=now(),
-            )
-            if spec.peer:
-                event.peer = self._global_rank(arguments, spec.peer, group_object)
-            if spec.root:
-                event.root = self._global_rank(arguments, spec.root, group_object)
-            if spec.has_reduce_op:
-                reduce_op = arguments.get("op")
-                event.reduce_op = "SUM" if reduce_op is None else _reduce_op_name(reduce_op)
-            if spec.primary:
-                event.primary = self._layout_of(arguments.get(spec.primary))
-            events.append(event)
-            self._nested = True
+            # What the dispatcher would have done next: the call's keys below this one.
+            tensor_keys = torch._C._dispatch_keys(_first_tensor(args, tensor_type))
+            keys = (tensor_keys | include_set()) - exclude_set() & below
             try:
-                result = original(*args, **kwargs)
+                event, outputs = self._record(spec, args, unbox(args[spec.group]))
+            except Exception as error:  # a bug of ours must not change what the cell does
+                return _recording_failed(error, op, keys, args, kwargs)
+            try:
+                result = op.redispatch(keys, *args, **kwargs)
             except BaseException as error:
                 self._fail(event, error)
                 raise
-            finally:
-                self._nested = False
-            if event.async_op and result is not None:
-                event.status = WAITING
-                return TracedWork(result, self, event, arguments)
-            if name == "recv" and event.peer is None:
-                event.peer = result
-            self._complete(event, spec, arguments)
+            handle = result[-1] if isinstance(result, tuple) and result else result
+            if isinstance(handle, torch.ScriptObject):
+                self._follow(work_type.unbox(handle), event, outputs)
+            else:  # monitored_barrier returns nothing: it is over
+                self._complete(event, outputs)
             return result
 
         return traced
 
-    def _layout_of(self, tensor) -> TensorInfo | None:
-        """Shape and dtype only (what must agree across a group)."""
-        if isinstance(tensor, self._torch.Tensor):
-            return self._known_info(tensor)[1]
-        return None
+    def _record(self, spec: C10dOp, args: tuple, group_object) -> tuple[TraceEvent, tuple]:
+        frames = _frames_of_the_cell(self._main_thread)
+        api = _api_call(frames)
+        if api is not None and API_OPS.get(api, api) != spec.op:
+            api = None  # not the op this function makes: some other path to it
+        op = api or spec.op
+        group = self._group(group_object)
+        inputs = args[spec.inputs] if spec.inputs is not None else ()
+        made_by = self._maker(frames, spec)
+        if made_by is not None and spec.op == "irecv":
+            inputs = ()  # a library's receive buffer, made for it: what it held says nothing
+        event = TraceEvent(
+            self.rank,
+            next(self._seq),
+            op,
+            group[1],
+            group[2],
+            tag=args[spec.tag] if spec.tag is not None else 0,
+            before=self._tensors(inputs),
+            line=_cell_line(frames),
+            made_by=made_by,
+            start=time.time(),
+        )
+        if api is not None and spec.async_op is not None:
+            # The dispatcher leaves out trailing arguments equal to their default (True here).
+            event.async_op = bool(args[spec.async_op]) if len(args) > spec.async_op else True
+        elif api is not None:
+            event.async_op = op not in API_OPS
+        if spec.peer is not None:
+            event.peer = group[1][args[spec.peer]]
+        if spec.root is not None:
+            event.root = group[1][args[spec.root]]
+        if spec.reduce_op is not None:
+            event.reduce_op = _reduce_op_name(self._dist, args[spec.reduce_op])
+        tensor_type = self._torch.Tensor
+        first = _first_tensor(inputs, tensor_type)
+        if spec.op in ("reduce_scatter", "reduce_scatter_tensor") or first is None:
+            first = _first_tensor(args[spec.outputs], tensor_type) if spec.outputs is not None else None
+        if first is not None and OPS[op].primary:
+            event.primary = self._known_info(first)[1]
+        self.events.append(event)
+        return event, (args[spec.outputs] if spec.outputs is not None else ())
 
-    def _complete(self, event: TraceEvent, spec: OpSpec, arguments: dict) -> None:
-        if spec.in_place and all(info.values is None for info in event.before):
+    def _maker(self, frames: list, spec: C10dOp) -> str | None:
+        """Who made the call, if not the cell through torch.distributed's functions."""
+        maker = None
+        for frame in frames:  # innermost first: the outermost library found wins
+            module = frame.f_globals.get("__name__", "")
+            for prefix, label in MAKERS:
+                if module == prefix or module.startswith(prefix + "."):
+                    maker = label
+                    if label == "DDP":
+                        maker = DDP_PHASES.get(frame.f_code.co_name, "DDP")
+            if module == _API_MODULE and frame.f_code.co_name not in OPS and maker is None:
+                maker = frame.f_code.co_name  # broadcast_object_list, new_group, ...
+        if maker is None and frames and _in_backward_from_cpp(frames[0]) and spec.op == "all_reduce":
+            # No Python between the autograd engine and the call: DDP's reducer, which reduces
+            # its buckets in order, one all_reduce each, in every backward pass.
+            # (torch has no public name for "this backward pass".)
+            graph_task = self._torch._C._current_graph_task_id()
+            bucket = self._buckets.get(graph_task, 0)
+            self._buckets[graph_task] = bucket + 1
+            maker = f"DDP bucket {bucket}"
+        return maker
+
+    def _follow(self, work, event: TraceEvent, outputs) -> None:
+        """Keep the call's handle: its wait (or, for a library's call, its future) ends it."""
+        self._pending[id(work)] = (work, event, outputs)
+        if event.async_op and event.made_by is None:
+            event.status = WAITING
+        if event.made_by is None:
+            return
+        try:
+            future = work.get_future()
+        except RuntimeError:  # "not implemented" (gloo's send and recv): done when the cell is
+            return
+
+        def finished(_future) -> None:  # on the backend's thread: the values are read later
+            if event.status == RUNNING:
+                event.status, event.end = DONE, time.time()
+                self._finished_elsewhere.append((event, outputs))
+
+        future.add_done_callback(finished)
+
+    def _wait(self, work, args: tuple, kwargs: dict):
+        original = self._original_wait or self._dist.distributed_c10d.Work.wait
+        pending = self._pending.get(id(work))
+        if pending is None or not self.active:
+            return original(work, *args, **kwargs)
+        _, event, outputs = pending
+        caller = sys._getframe(2)  # _wait <- wait <- the caller
+        by_the_cell = not caller.f_globals.get("__name__", "").startswith("torch.")
+        wait_event = None
+        if by_the_cell and event.async_op:
+            wait_event = TraceEvent(
+                self.rank,
+                next(self._seq),
+                WAIT,
+                event.group,
+                event.group_name,
+                peer=event.peer,
+                root=event.root,
+                tag=event.tag,
+                waits_for=event.seq,
+                waited_op=event.op,
+                line=_cell_line(_frames_of_the_cell(self._main_thread)),
+                start=time.time(),
+            )
+            self.events.append(wait_event)
+        try:
+            result = original(work, *args, **kwargs)
+        except BaseException as error:
+            if wait_event is not None:
+                self._fail(wait_event, error)
+            self._fail(event, error)
+            raise
+        if event.peer is None and event.op in ("recv", "irecv"):  # from any source
+            event.peer = event.group[work._source_rank()]
+        self._pending.pop(id(work), None)
+        self._complete(event, outputs)
+        if wait_event is not None:
+            wait_event.after, wait_event.end, wait_event.status = (), time.time(), DONE
+        return result
+
+    def _complete(self, event: TraceEvent, outputs) -> None:
+        if OPS[event.op].in_place and all(info.values is None for info in event.before):
             event.after = event.before  # same tensors, too large to keep values: nothing new
         else:
-            event.after = self._tensors(arguments, spec.outputs)
+            event.after = self._tensors(outputs)
         event.end = time.time()
         event.status = DONE
 
@@ -159,39 +354,24 @@ class Tracer:
         event.end = time.time()
         event.status = ERROR
 
-    def _group(self, group) -> tuple[object, tuple[int, ...] | None, str | None]:
-        """(group, its global ranks, its name), cached; ranks None if this rank is not a member."""
-        dist = self._dist
-        if group is dist.GroupMember.NON_GROUP_MEMBER:
-            return (group, None, None)
-        process_group = group if group is not None else dist.group.WORLD
-        # The group object is kept in the entry so that its id is not reused while cached.
-        entry = (group, tuple(dist.get_process_group_ranks(process_group)), process_group.group_name)
-        self._groups[id(group)] = entry
+    def _group(self, group) -> tuple[object, tuple[int, ...], str]:
+        """(group, its global ranks in group-rank order, its name), cached."""
+        entry = self._groups.get(id(group))
+        if entry is None:
+            ranks = tuple(self._dist.get_process_group_ranks(group))
+            # The group object is kept in the entry so that its id is not reused while cached.
+            entry = self._groups[id(group)] = (group, ranks, group.group_name)
         return entry
 
-    def _global_rank(self, arguments: dict, name: str, group) -> int | None:
-        value = arguments.get(name)
-        if value is not None:
-            return value
-        group_rank = arguments.get(f"group_{name}")
-        if group_rank is None:
-            return None
-        return self._dist.get_global_rank(group if group is not None else self._dist.group.WORLD, group_rank)
-
-    def _tensors(self, arguments: dict, names: tuple[str, ...]) -> tuple[TensorInfo, ...]:
-        tensor_type = self._torch.Tensor
-        infos = []
-        for name in names:
-            value = arguments.get(name)
-            if isinstance(value, tensor_type):
-                infos.append(self._info(value))
-            elif isinstance(value, (list, tuple)):
-                infos.extend(self._info(tensor) for tensor in value if isinstance(tensor, tensor_type))
-        return tuple(infos)
+    def _tensors(self, value) -> tuple[TensorInfo, ...]:
+        if isinstance(value, self._torch.Tensor):
+            return (self._info(value),)
+        if isinstance(value, (list, tuple)):
+            return tuple(info for item in value for info in self._tensors(item))
+        return ()
 
     def _known_info(self, tensor) -> tuple:
-        """(weak reference, TensorInfo without values, small enough for values), cached.
+        """(tensor, TensorInfo without values, small enough for values), cached.
 
         Reading a tensor's shape and dtype costs more than the rest of a traced call, so a tensor
         communicated again (a gradient bucket, a reused buffer) is described once per cell; the
@@ -212,52 +392,64 @@ class Tracer:
         return known[1]
 
 
-class TracedWork:
-    """The handle of a traced async call: records its ``wait`` and the values it produced."""
+def _first_tensor(value, tensor_type):
+    """The first tensor in a tensor or in (nested) lists and tuples of them; None if none."""
+    if isinstance(value, (list, tuple)):
+        return next((t for t in (_first_tensor(v, tensor_type) for v in value) if t is not None), None)
+    return value if isinstance(value, tensor_type) else None
 
-    def __init__(self, work, tracer: Tracer, event: TraceEvent, arguments: dict) -> None:
-        self._work = work
-        self._tracer = tracer
-        self._event = event
-        self._arguments = arguments
 
-    def wait(self, *args, **kwargs):
-        tracer, event = self._tracer, self._event
-        if not tracer.active or event.status != WAITING:
-            return self._work.wait(*args, **kwargs)
-        wait_event = replace(
-            event,
-            seq=next(tracer._seq),
-            op=WAIT,
-            waits_for=event.seq,
-            waited_op=event.op,
-            before=(),
-            after=None,
-            async_op=False,
-            line=cell_line(2),  # cell_line <- wait <- the caller
-            start=time.time(),
-            status=RUNNING,
-        )
-        tracer.events.append(wait_event)
-        try:
-            result = self._work.wait(*args, **kwargs)
-        except BaseException as error:
-            tracer._fail(wait_event, error)
-            tracer._fail(event, error)
-            raise
-        if event.op == "irecv" and event.peer is None:
-            event.peer = self._work._source_rank()
-        tracer._complete(event, OPS[event.op], self._arguments)
-        wait_event.after = ()
-        wait_event.end = time.time()
-        wait_event.status = DONE
-        return result
+def _recording_failed(error: Exception, op, keys, args, kwargs):
+    """The call made as if untraced, after saying on the rank's stderr what failed."""
+    print(f"ddp_magics: tracing could not record a call ({type(error).__name__}: {error})", file=sys.stderr)
+    return op.redispatch(keys, *args, **kwargs)
 
-    def __getattr__(self, name: str):
-        return getattr(self._work, name)
 
-    def __repr__(self) -> str:
-        return f"<traced {self._event.op} handle: {self._work!r}>"
+def _frames_of_the_cell(main_thread: threading.Thread) -> list:
+    """The Python frames from the caller of a traced op up to the cell's own frame, innermost
+    first. On a thread without the cell (the autograd engine's, for CUDA tensors), the frames
+    of the main thread, which waits in the cell's ``backward()``."""
+    frames = []
+    frame = sys._getframe(3)  # _frames_of_the_cell <- _record <- traced <- the caller
+    while frame is not None:
+        frames.append(frame)
+        back = frame.f_back
+        if back is not None and back.f_code.co_name == "run_code":
+            return frames
+        frame = back
+    if threading.current_thread() is not main_thread:
+        main = sys._current_frames().get(main_thread.ident)
+        if main is not None:
+            frames = []
+            while main is not None:
+                frames.append(main)
+                if main.f_back is not None and main.f_back.f_code.co_name == "run_code":
+                    return frames
+                main = main.f_back
+    return frames
+
+
+def _cell_line(frames: list) -> int | None:
+    """The line of the running cell that led to the call (in the cell, or a function it defines)."""
+    if not frames or frames[-1].f_back is None or frames[-1].f_back.f_code.co_name != "run_code":
+        return None
+    cell_file = frames[-1].f_code.co_filename
+    return next(frame.f_lineno for frame in frames if frame.f_code.co_filename == cell_file)
+
+
+def _api_call(frames: list) -> str | None:
+    """The torch.distributed function the call was made through (the outermost one: the
+    deprecated ``all_gather_into_tensor`` forwards to ``all_gather_single``), if any."""
+    name = None
+    for frame in frames:
+        if frame.f_globals.get("__name__") == _API_MODULE and frame.f_code.co_name in OPS:
+            name = frame.f_code.co_name
+    return name
+
+
+def _in_backward_from_cpp(innermost) -> bool:
+    """The innermost Python frame is the autograd engine's call: C++ made the call in backward."""
+    return innermost.f_globals.get("__name__", "").startswith(_AUTOGRAD_MODULE)
 
 
 _DTYPE_NAMES: dict = {}
@@ -272,34 +464,16 @@ def _dtype_name(tensor) -> str:
     return name
 
 
-def _reduce_op_name(reduce_op) -> str:
-    try:
-        return _REDUCE_OP_NAMES[reduce_op]
-    except (KeyError, TypeError):  # a new op, or one that cannot be a key (a premul_sum ReduceOp)
-        name = getattr(reduce_op, "name", None) or str(reduce_op)
-        with contextlib.suppress(TypeError):
-            _REDUCE_OP_NAMES[reduce_op] = name
-        return name
-
-
-def cell_line(depth: int) -> int | None:
-    """The line of the running cell that led to this call (in the cell, or a function it defines).
-
-    ``depth`` frames up from here is the code that made the traced call.
-    """
-    frame = sys._getframe(depth)
-    back = frame.f_back
-    if back is not None and back.f_code.co_name == "run_code":  # called from the cell itself
-        return frame.f_lineno
-    frames = []
-    while frame is not None:
-        frames.append(frame)
-        back = frame.f_back
-        if back is not None and back.f_code.co_name == "run_code":
-            cell_file = frame.f_code.co_filename
-            return next(f.f_lineno for f in frames if f.f_code.co_filename == cell_file)
-        frame = back
-    return None
+def _reduce_op_name(dist, reduce_op) -> str:
+    """The name of a ``ReduceOp`` as the dispatcher passes it (a TorchScript object whose
+    ``op()`` is the number of its ``RedOpType``)."""
+    number = reduce_op.op()
+    name = _REDUCE_OP_NAMES.get(number)
+    if name is None:
+        with contextlib.suppress(ValueError):
+            name = dist.ReduceOp.RedOpType(number).name
+        name = _REDUCE_OP_NAMES[number] = name or str(number)
+    return name
 
 
 _tracer: Tracer | None = None
@@ -333,4 +507,3 @@ def events_so_far() -> list[TraceEvent] | None:
     """The calls the running cell made so far, if it is traced (read from another thread)."""
     tracer = _tracer
     return list(tracer.events) if tracer is not None and tracer.active else None
-
