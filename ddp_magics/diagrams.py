@@ -217,13 +217,17 @@ def _mismatch_footer(axes, mismatches, x, y) -> None:
 
 # --------------------------------------------------------------------------- a sequence
 def draw_timeline(trace: Trace) -> Diagram:
-    """One lane per rank, time left to right; long traces keep their first columns and say so."""
+    """One lane per rank, time left to right. A long trace draws each run of repeated steps once
+    (a box says ``3 x50``: step 3, fifty times), then its first columns, and says so."""
+    full, labels = trace, {}
+    if len(trace.steps) > MAX_TIMELINE_COLUMNS and trace.repeats():
+        trace, labels = trace.condensed()
     lanes = {rank: index for index, rank in enumerate(trace.ranks[:MAX_TIMELINE_RANKS])}
     numbered = list(enumerate(trace.steps, 1))
     shown = [(n, step) for n, step in numbered if step.column < MAX_TIMELINE_COLUMNS]
     last_column = max((c for _, step in shown for c in step.columns.values()), default=0)
     last_column = min(last_column, MAX_TIMELINE_COLUMNS - 1)
-    notes = _timeline_notes(trace, lanes, len(numbered) - len(shown))
+    notes = _timeline_notes(full, lanes, len(numbered) - len(shown), repeated=bool(labels))
     figure, axes = _figure()
 
     def x_of(column: int) -> float:
@@ -264,7 +268,7 @@ def draw_timeline(trace: Trace) -> Diagram:
         for rank, event in drawn.items():
             mismatched = any(m.involves(event) for m in trace.mismatches)
             edge = MISMATCH_COLOR if mismatched else rank_color(rank)
-            label = f"{number} {_short_op(event)}\n{_short_values(event)}"
+            label = f"{labels.get((rank, event.seq), number)} {_short_op(event)}\n{_short_values(event)}"
             x, y = x_of(step.columns[rank]), y_of(rank)
             _box(axes, x, y, EVENT_WIDTH, 0.62, label, edge, f"event:{rank}:{event.seq}", fontsize=7.5)
         if (
@@ -287,12 +291,10 @@ def draw_timeline(trace: Trace) -> Diagram:
             color=MISMATCH_COLOR if is_mismatch else "0.3",
             gid=f"{'mismatch' if is_mismatch else 'note'}:{index}",
         )
-    complete = "" if trace.complete else " (cell not finished)"
-    _title(
-        axes, right / 2, 0.75, f"{plural(len(trace.steps), 'step')} on {rank_label(trace.ranks)}{complete}"
-    )
+    complete = "" if full.complete else " (cell not finished)"
+    _title(axes, right / 2, 0.75, f"{plural(len(full.steps), 'step')} on {rank_label(full.ranks)}{complete}")
     _fit(figure, axes, (-2.4, right + 0.2), (bottom - 0.4 - 0.4 * len(notes), 1.05))
-    return Diagram(figure, trace.text(MAX_TIMELINE_STEPS))
+    return Diagram(figure, full.text(MAX_TIMELINE_STEPS))
 
 
 def _transfer_arrow(axes, step: Step, number: int, x_of, y_of) -> None:
@@ -321,8 +323,10 @@ def _transfer_arrow(axes, step: Step, number: int, x_of, y_of) -> None:
     )
 
 
-def _timeline_notes(trace: Trace, lanes: dict[int, int], not_drawn: int) -> list[str]:
+def _timeline_notes(trace: Trace, lanes: dict[int, int], not_drawn: int, repeated: bool) -> list[str]:
     notes = []
+    if repeated:
+        notes.append("Repeated steps drawn once: 'N xT' is step N of the listing, T times in a row")
     if not_drawn:
         notes.append(f"... {plural(not_drawn, 'more step')} not drawn; all steps: {trace.summary()}")
     hidden = [rank for rank in trace.ranks if rank not in lanes]

@@ -147,6 +147,16 @@ def _status_note(event: TraceEvent) -> str:
 
 
 @dataclass(frozen=True)
+class Repeat:
+    """Steps ``first`` .. ``first + period - 1`` (indices into a trace's steps), then the same
+    calls again, ``times`` times in all."""
+
+    first: int
+    period: int
+    times: int
+
+
+@dataclass(frozen=True)
 class Mismatch:
     kind: str
     message: str
@@ -203,19 +213,89 @@ class Trace:
         return running[-1] if running else None
 
     def text(self, max_steps: int = 30) -> str:
+        """The listing: every step, or, past ``max_steps``, runs of repeated steps (a training
+        loop's all-reduces) shown once with how many times they came."""
         lines = [
             f"Trace of {rank_label(self.ranks)}: {plural(self.calls(), 'call')} in "
             f"{plural(len(self.steps), 'step')}" + ("" if self.complete else " (cell not finished)")
         ]
         if self.lost:
             lines.append(f"{rank_label(sorted(self.lost))} died: its calls are unknown")
-        for number, step in enumerate(self.steps[:max_steps], 1):
-            lines.append(f"{number:>3}. {step.title()}")
-            lines.extend(f"       {line}" for line in step.lines())
-        if len(self.steps) > max_steps:
-            lines.append(f"     ... {len(self.steps) - max_steps} more steps: {self.summary()}")
+        blocks = self.repeats() if len(self.steps) > max_steps else []
+        listed = 0
+        position = 0
+        while position < len(self.steps) and listed < max_steps:
+            block = next((b for b in blocks if b.first == position), None)
+            period = block.period if block else 1
+            for number, step in enumerate(self.steps[position : position + period], position + 1):
+                lines.append(f"{number:>3}. {step.title()}")
+                lines.extend(f"       {line}" for line in step.lines())
+            listed += period
+            position += period
+            if block:
+                again = block.first + block.period * block.times
+                shown = f"step {block.first + 1}" if period == 1 else f"steps {block.first + 1}-{position}"
+                lines.append(
+                    f"{position + 1:>3}-{again}. {shown} again, {plural(block.times - 1, 'more time')} "
+                    "(the same calls; their values not listed)"
+                )
+                position = again
+        if position < len(self.steps):
+            lines.append(f"     ... {len(self.steps) - position} more steps: {self.summary()}")
         lines.extend(f"Mismatch: {mismatch.message}" for mismatch in self.mismatches)
         return "\n".join(lines)
+
+    def repeats(self, most_period: int = 8, fewest_times: int = 3) -> list[Repeat]:
+        """Runs of steps that repeat the same calls (ops, groups, makers, lines; any values) at
+        least ``fewest_times`` in a row, at most ``most_period`` steps long, in step order.
+        Steps involved in a mismatch are never part of one."""
+        keys = [self._repeat_key(step) for step in self.steps]
+        blocks: list[Repeat] = []
+        position = 0
+        while position < len(keys):
+            best = Repeat(position, 1, 1)
+            for period in range(1, most_period + 1):
+                pattern = keys[position : position + period]
+                if len(pattern) < period or None in pattern:
+                    break
+                times = 1
+                while keys[position + times * period : position + (times + 1) * period] == pattern:
+                    times += 1
+                if times >= fewest_times and period * times > best.period * best.times:
+                    best = Repeat(position, period, times)
+            if best.times > 1:
+                blocks.append(best)
+            position += best.period * best.times
+        return blocks
+
+    def _repeat_key(self, step: Step) -> tuple | None:
+        if any(mismatch.involves(event) for mismatch in self.mismatches for event in step.events.values()):
+            return None
+        return (
+            step.kind,
+            step.title(),
+            tuple((rank, e.op, e.line, e.made_by, e.status) for rank, e in sorted(step.events.items())),
+        )
+
+    def condensed(self) -> tuple[Trace, dict[tuple[int, int], str]]:
+        """This trace with each run of repeated steps kept once (what a timeline can draw): that
+        trace, and for each kept event ``(rank, seq)`` its step's number here (``3``), with how
+        many times it came (``3 x50``) if it repeats."""
+        labels: dict[tuple[int, int], str] = {}
+        kept: set[tuple[int, int]] = set()
+        blocks = {block.first: block for block in self.repeats()}
+        position = 0
+        while position < len(self.steps):
+            block = blocks.get(position)
+            period = block.period if block else 1
+            for number, step in enumerate(self.steps[position : position + period], position + 1):
+                label = f"{number} x{block.times}" if block else str(number)
+                for rank, event in step.events.items():
+                    kept.add((rank, event.seq))
+                    labels[(rank, event.seq)] = label
+            position += period * (block.times if block else 1)
+        events = {rank: [e for e in events if (rank, e.seq) in kept] for rank, events in self.events.items()}
+        return Trace(events, complete=self.complete, lost=self.lost), labels
 
     def summary(self) -> str:
         """``12 x all_reduce, 4 x send/recv`` over all steps."""

@@ -147,3 +147,22 @@ def test_a_rank_skipping_backward_under_ddp_is_reported_in_ddps_all_reduce(ip, w
     assert "DDP's reducer all-reduces gradients: %%distributed --trace names the call" in report
     with capture_output():
         ip.run_line_magic("dist_recover", "")
+
+
+def test_a_50_step_ddp_training_loop_stays_readable(ip, world):
+    """Repeated steps are listed and drawn once, with how many times they came."""
+    cell = DDP_CELL.replace("range(3)", "range(50)").replace(
+        "    loss.backward()", "    model.zero_grad()\n    loss.backward()"
+    )
+    trace, _ = traced_and_untraced(ip, cell)
+    assert len(trace.steps) == 3 + 1 + 2 + 49 * 2
+    text = trace.text()
+    # Construction (3), the first backward (one bucket), the rebuild's broadcasts (2), then two
+    # buckets per backward, 49 times.
+    assert "  7. all_reduce SUM on" in text and "(DDP bucket 0)" in text
+    assert "  9-104. steps 7-8 again, 48 more times (the same calls; their values not listed)" in text
+    assert len(text.splitlines()) < 30
+    diagram = trace.draw()
+    assert len(diagram.gids("collective:")) == 8
+    labels = {artist.get_text().split("\n")[0] for artist in diagram.artists("text:event:")}
+    assert {"7 x49 all_reduce", "8 x49 all_reduce"} <= labels

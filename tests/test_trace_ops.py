@@ -260,14 +260,41 @@ def test_subgroup_collectives_are_matched_per_group(ip, cluster4):
     assert len(timeline.gids("collective:")) == 3  # two subgroup all_reduces and the barrier
 
 
-def test_long_trace_is_summarised(ip, cluster4):
+def test_a_long_loop_is_listed_and_drawn_once_with_its_count(ip, cluster4):
     trace, _ = traced(ip, "t = torch.ones(1)\nfor _ in range(40):\n    dist.all_reduce(t)")
     assert len(trace.steps) == 40
-    assert "... 10 more steps: 40 x all_reduce" in trace.text()
+    text = trace.text()
+    assert "  1. all_reduce SUM on ranks 0-3\n" in text and "  2. " not in text
+    assert "  2-40. step 1 again, 39 more times (the same calls; their values not listed)" in text
+    diagram = trace.draw()
+    assert len(diagram.gids("collective:")) == 1
+    labels = [artist.get_text() for artist in diagram.artists("text:event:")]
+    assert labels and all(label.startswith("1 x40 all_reduce") for label in labels)
+    notes = [artist.get_text() for artist in diagram.artists("note:")]
+    assert notes == ["Repeated steps drawn once: 'N xT' is step N of the listing, T times in a row"]
+
+
+def test_a_loop_of_two_calls_is_grouped_by_its_period(ip, cluster4):
+    cell = "t = torch.ones(1)\nfor _ in range(25):\n    dist.all_reduce(t)\n    dist.broadcast(t, 1)"
+    trace, _ = traced(ip, cell)
+    text = trace.text()
+    assert "  1. all_reduce SUM on ranks 0-3\n" in text
+    assert "  2. broadcast from rank 1 on ranks 0-3\n" in text
+    assert "  3-50. steps 1-2 again, 24 more times" in text
+    assert len(trace.draw().gids("collective:")) == 2
+
+
+def test_a_long_trace_without_repeats_is_cut_and_says_so(ip, cluster4):
+    # Roots 0-3 against an all_reduce every third call: a period of 12, longer than grouped.
+    loop = "for i in range(40):\n    dist.broadcast(t, i % 4) if i % 3 else dist.all_reduce(t)"
+    cell = f"t = torch.ones(1)\n{loop}"
+    trace, _ = traced(ip, cell)
+    assert len(trace.steps) == 40 and not trace.repeats()
+    assert "... 10 more steps: 14 x all_reduce, 26 x broadcast" in trace.text()
     diagram = trace.draw()
     assert len(diagram.gids("collective:")) == 16  # the first 16 columns are drawn
     notes = [artist.get_text() for artist in diagram.artists("note:")]
-    assert notes == ["... 24 more steps not drawn; all steps: 40 x all_reduce"]
+    assert notes == ["... 24 more steps not drawn; all steps: 14 x all_reduce, 26 x broadcast"]
 
 
 def test_tracing_is_off_unless_asked_and_leaves_nothing_after_the_cell(ip, cluster4):

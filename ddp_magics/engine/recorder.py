@@ -341,7 +341,7 @@ class Tracer:
         return result
 
     def _complete(self, event: TraceEvent, outputs) -> None:
-        if OPS[event.op].in_place and all(info.values is None for info in event.before):
+        if OPS[event.op].in_place and event.before and all(info.values is None for info in event.before):
             event.after = event.before  # same tensors, too large to keep values: nothing new
         else:
             event.after = self._tensors(outputs)
