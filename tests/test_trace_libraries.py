@@ -166,3 +166,26 @@ def test_a_50_step_ddp_training_loop_stays_readable(ip, world):
     assert len(diagram.gids("collective:")) == 8
     labels = {artist.get_text().split("\n")[0] for artist in diagram.artists("text:event:")}
     assert {"7 x49 all_reduce", "8 x49 all_reduce"} <= labels
+
+
+FSDP_CELL = """\
+import torch.nn as nn
+from torch.distributed.fsdp import fully_shard
+torch.manual_seed(0)
+net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+for layer in (net[0], net[2]):
+    fully_shard(layer)
+fully_shard(net)
+net(torch.ones(2, 8) + rank).sum().backward()
+print(round(net[0].weight.grad.full_tensor().sum().item(), 3))
+"""
+
+
+def test_fsdp2_gathers_before_forward_and_reduce_scatters_after_backward(ip, world):
+    trace, _ = traced_and_untraced(ip, FSDP_CELL)
+    assert trace.complete and not trace.mismatches
+    made = {(step.op, step.events[0].made_by, step.events[0].line) for step in trace.steps}
+    # torch 2.13's FSDP2 calls the new names of all_gather_into_tensor and reduce_scatter_tensor.
+    assert ("all_gather_single", "FSDP", 8) in made  # unsharding parameters for forward
+    assert ("reduce_scatter_single", "FSDP", 8) in made  # sharding gradients in backward
+    assert ("all_gather_into_tensor", "DTensor", 9) in made  # full_tensor() of a sharded gradient

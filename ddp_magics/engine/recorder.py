@@ -263,18 +263,16 @@ class Tracer:
         """Who made the call, if not the cell through torch.distributed's functions."""
         maker = None
         for frame in frames:  # innermost first: the outermost library found wins
-            module = frame.f_globals.get("__name__", "")
-            for prefix, label in MAKERS:
-                if module == prefix or module.startswith(prefix + "."):
-                    maker = label
-                    if label == "DDP":
-                        maker = DDP_PHASES.get(frame.f_code.co_name, "DDP")
-            if module == _API_MODULE and frame.f_code.co_name not in OPS and maker is None:
-                maker = frame.f_code.co_name  # broadcast_object_list, new_group, ...
-        if maker is None and frames and _in_backward_from_cpp(frames[0]) and spec.op == "all_reduce":
+            _, library, helper = _role(frame.f_code, frame.f_globals)
+            if library is not None:
+                maker = library
+            elif helper is not None and helper != _ENGINE_CALL and maker is None:
+                maker = helper  # broadcast_object_list, new_group, ...
+        from_engine = frames and _role(frames[0].f_code, frames[0].f_globals)[2] == _ENGINE_CALL
+        if maker is None and from_engine and spec.op == "all_reduce":
             # No Python between the autograd engine and the call: DDP's reducer, which reduces
-            # its buckets in order, one all_reduce each, in every backward pass.
-            # (torch has no public name for "this backward pass".)
+            # its buckets in order, one all_reduce each, in every backward pass. (torch has no
+            # public name for "this backward pass".)
             graph_task = self._torch._C._current_graph_task_id()
             bucket = self._buckets.get(graph_task, 0)
             self._buckets[graph_task] = bucket + 1
@@ -442,14 +440,31 @@ def _api_call(frames: list) -> str | None:
     deprecated ``all_gather_into_tensor`` forwards to ``all_gather_single``), if any."""
     name = None
     for frame in frames:
-        if frame.f_globals.get("__name__") == _API_MODULE and frame.f_code.co_name in OPS:
-            name = frame.f_code.co_name
+        name = _role(frame.f_code, frame.f_globals)[0] or name
     return name
 
 
-def _in_backward_from_cpp(innermost) -> bool:
-    """The innermost Python frame is the autograd engine's call: C++ made the call in backward."""
-    return innermost.f_globals.get("__name__", "").startswith(_AUTOGRAD_MODULE)
+_ENGINE_CALL = "autograd engine"
+_roles: dict = {}  # code object -> its role (what a traced call made from it says)
+
+
+def _role(code, globals_: dict) -> tuple[str | None, str | None, str | None]:
+    """(the torch.distributed function it is, if one the trace names; the library it belongs
+    to, if one that makes calls; torch.distributed's helper it is, or the autograd engine's
+    call), cached per code object: frames are read for every traced call."""
+    role = _roles.get(code)
+    if role is None:
+        module = globals_.get("__name__", "")
+        api = library = helper = None
+        if module == _API_MODULE:
+            api, helper = (code.co_name, None) if code.co_name in OPS else (None, code.co_name)
+        elif module.startswith(_AUTOGRAD_MODULE) and code.co_name == "_engine_run_backward":
+            helper = _ENGINE_CALL
+        for prefix, label in MAKERS:
+            if module == prefix or module.startswith(prefix + "."):
+                library = DDP_PHASES.get(code.co_name, label) if label == "DDP" else label
+        role = _roles[code] = (api, library, helper)
+    return role
 
 
 _DTYPE_NAMES: dict = {}
