@@ -8,6 +8,7 @@ everything into steps that :mod:`ddp_magics.diagrams` draws.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 
 from ddp_magics.protocol import (
@@ -407,7 +408,7 @@ def _match_transfers(events, steps: list[Step], mismatches: list[Mismatch]) -> N
         for send, recv in itertools.zip_longest(key_sends, key_recvs):
             if send and recv:
                 steps.append(Step(TRANSFER, {send.rank: send, recv.rank: recv}))
-                if send.primary and recv.primary and send.primary != recv.primary:
+                if send.primary and recv.primary and _transferred(send.primary) != _transferred(recv.primary):
                     mismatches.append(
                         Mismatch(
                             SIZE_MISMATCH,
@@ -449,6 +450,12 @@ def _match_transfers(events, steps: list[Step], mismatches: list[Mismatch]) -> N
                     (recv,),
                 )
             )
+
+
+def _transferred(layout) -> tuple[int, str]:
+    """What a send moves, as the backend sees it: elements and dtype (shape () and (1,) agree:
+    torch's pipelining sends a scalar's metadata into a one-element buffer)."""
+    return math.prod(layout.shape), layout.dtype
 
 
 def _in_time_order(events: dict[int, list[TraceEvent]], steps: list[Step]) -> list[Step]:

@@ -155,3 +155,31 @@ def test_breakpoint_on_a_rank_holding_cuda_tensors_is_answered_in_the_front_end(
         client.stop_channels()
         manager.shutdown_kernel(now=True)
     assert_gone(processes)
+
+
+DDP_ON_THE_GPU = """\
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+model = DDP(nn.Linear(8, 4).to(device))
+for step in range(2):
+    model(torch.ones(2, 8, device=device)).sum().backward()
+print(model.module.weight.grad.device)
+"""
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_ddp_on_cuda_tensors_is_traced_from_the_autograd_engines_thread(ip, stopped_afterwards, backend):
+    """Backward of CUDA tensors runs on the autograd engine's own thread, where DDP's reducer
+    makes its all-reduce: still recorded, labelled, and placed at the cell's line."""
+    line_magic(ip, "dist_start", "" if backend == "nccl" else "-n 2 --backend gloo")
+    cell = DDP_ON_THE_GPU if backend == "nccl" else DDP_ON_THE_GPU.replace("(device)", "('cuda')")
+    cell = cell.replace("device=device", "device='cuda'")
+    captured, error = run_cell(ip, "--trace tr", cell)
+    assert error is None, error
+    assert "cuda:0" in shown_text(captured)
+    trace = ip.user_ns["tr"]
+    print(trace.text())
+    made = [(step.op, step.events[0].made_by, step.events[0].line) for step in trace.steps]
+    assert ("broadcast", "DDP construction", 3) in made
+    assert made.count(("all_reduce", "DDP bucket 0", 5)) == 2
+    assert trace.complete and not trace.mismatches

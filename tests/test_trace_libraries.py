@@ -174,18 +174,28 @@ from torch.distributed.fsdp import fully_shard
 torch.manual_seed(0)
 net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
 for layer in (net[0], net[2]):
-    fully_shard(layer)
-fully_shard(net)
+    fully_shard(layer, mesh=mesh)
+fully_shard(net, mesh=mesh)
 net(torch.ones(2, 8) + rank).sum().backward()
 print(round(net[0].weight.grad.full_tensor().sum().item(), 3))
+"""
+# The ranks' own device (cpu for gloo ranks, also on a machine with GPUs, where FSDP would
+# otherwise take the current accelerator).
+FSDP_MESH = """\
+from torch.distributed.device_mesh import init_device_mesh
+mesh = init_device_mesh(device.type, (world_size,))
 """
 
 
 def test_fsdp2_gathers_before_forward_and_reduce_scatters_after_backward(ip, world):
+    run_cell(ip, "", FSDP_MESH)
     trace, _ = traced_and_untraced(ip, FSDP_CELL)
     assert trace.complete and not trace.mismatches
     made = {(step.op, step.events[0].made_by, step.events[0].line) for step in trace.steps}
-    # torch 2.13's FSDP2 calls the new names of all_gather_into_tensor and reduce_scatter_tensor.
-    assert ("all_gather_single", "FSDP", 8) in made  # unsharding parameters for forward
-    assert ("reduce_scatter_single", "FSDP", 8) in made  # sharding gradients in backward
+    # torch 2.13's FSDP2 calls the new names of all_gather_into_tensor and reduce_scatter_tensor
+    # (torch 2.11's, seen on a GPU machine, the old ones).
+    gathers = {("all_gather_single", "FSDP", 8), ("all_gather_into_tensor", "FSDP", 8)}
+    scatters = {("reduce_scatter_single", "FSDP", 8), ("reduce_scatter_tensor", "FSDP", 8)}
+    assert made & gathers  # unsharding parameters for forward
+    assert made & scatters  # sharding gradients in backward
     assert ("all_gather_into_tensor", "DTensor", 9) in made  # full_tensor() of a sharded gradient

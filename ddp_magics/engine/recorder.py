@@ -208,9 +208,10 @@ class Tracer:
                 self._fail(event, error)
                 raise
             handle = result[-1] if isinstance(result, tuple) and result else result
-            if isinstance(handle, torch.ScriptObject):
-                self._follow(work_type.unbox(handle), event, outputs)
-            else:  # monitored_barrier returns nothing: it is over
+            work = _work_of(work_type, handle) if isinstance(handle, torch.ScriptObject) else None
+            if work is not None:
+                self._follow(work, event, outputs)
+            else:  # over already: monitored_barrier, or a backend that waited in C++ (NCCL)
                 self._complete(event, outputs)
             return result
 
@@ -390,6 +391,15 @@ class Tracer:
         return known[1]
 
 
+def _work_of(work_type, handle):
+    """The ``Work`` a c10d op returned, or None if it returned none (a backend that finished the
+    call before returning, as NCCL does for a blocking call)."""
+    try:
+        return work_type.unbox(handle)
+    except RuntimeError:  # an empty handle
+        return None
+
+
 def _first_tensor(value, tensor_type):
     """The first tensor in a tensor or in (nested) lists and tuples of them; None if none."""
     if isinstance(value, (list, tuple)):
@@ -408,7 +418,7 @@ def _frames_of_the_cell(main_thread: threading.Thread) -> list:
     first. On a thread without the cell (the autograd engine's, for CUDA tensors), the frames
     of the main thread, which waits in the cell's ``backward()``."""
     frames = []
-    frame = sys._getframe(3)  # _frames_of_the_cell <- _record <- traced <- the caller
+    frame = sys._getframe(1).f_back.f_back  # _record (or _wait) <- traced (or wait) <- the caller
     while frame is not None:
         frames.append(frame)
         back = frame.f_back
