@@ -199,3 +199,32 @@ def test_fsdp2_gathers_before_forward_and_reduce_scatters_after_backward(ip, wor
     assert made & gathers  # unsharding parameters for forward
     assert made & scatters  # sharding gradients in backward
     assert ("all_gather_into_tensor", "DTensor", 9) in made  # full_tensor() of a sharded gradient
+
+
+def test_a_watching_tool_is_not_taken_for_the_maker(ip, world):
+    """CommDebugMode (under torch.distributed.tensor) re-makes each call it counts: the cell's
+    own all_reduce stays the cell's."""
+    cell = (
+        "from torch.distributed.tensor.debug import CommDebugMode\n"
+        "with CommDebugMode() as counted:\n"
+        "    dist.all_reduce(torch.ones(1))\n"
+        "print(counted.get_total_counts())"
+    )
+    trace, output = traced_and_untraced(ip, cell)
+    assert output.endswith("\n1")
+    assert [(step.op, step.events[0].made_by) for step in trace.steps] == [("all_reduce", None)]
+
+
+def test_a_librarys_result_never_used_in_the_cell_is_not_shown_as_done(ip, world):
+    """DTensor's row-parallel output is all-reduced asynchronously and waited for where it is
+    used: a cell that never uses it ends before the values are known, and says so."""
+    run_cell(ip, "", TP_CELL)
+    captured, error = run_cell(ip, "--trace unused", "y = tp(torch.ones(4, 8))")
+    assert error is None, error
+    [step] = [step for step in ip.user_ns["unused"].steps if step.op == "all_reduce"]
+    for event in step.events.values():
+        assert (event.status == "done" and event.after is not None) or (
+            event.status == "waiting" and event.after is None
+        ), event
+    captured, error = run_cell(ip, "", "print(round(y.sum().item(), 3))")
+    assert error is None and shown_text(captured).endswith(shown_text(captured).split("\n")[-1])

@@ -105,6 +105,8 @@ MAKERS = (
     ("torch.distributed._functional_collectives", "functional collectives"),
     ("torch.distributed.device_mesh", "DeviceMesh"),
 )
+# Modules under the makers' that only watch calls, as this tracer does.
+OBSERVERS = ("torch.distributed.tensor.debug",)
 DDP_PHASES = {"__init__": "DDP construction", "forward": "DDP forward"}
 _API_MODULE = "torch.distributed.distributed_c10d"
 _AUTOGRAD_MODULE = "torch.autograd"
@@ -167,12 +169,16 @@ class Tracer:
             self._dist.distributed_c10d.Work.wait = self._original_wait
             self._original_wait = None
         self.active = False
-        # A call whose handle nobody waited on in Python (DDP's reducer and the functional
-        # collectives wait in C++) is done if the cell got past it; its results are read now.
-        for _, event, outputs in self._pending.values():
+        # A library's call whose handle nobody waited on in Python (DDP's reducer and the
+        # functional collectives wait in C++), if finished, is read now; one that is not (an
+        # async result the cell never used) is left as never waited on, its results unknown.
+        for work, event, outputs in list(self._pending.values()):
             if event.status == RUNNING and event.made_by is not None:
-                event.status, event.end = DONE, time.time()
-                self._finished_elsewhere.append((event, outputs))
+                if work.is_completed():
+                    event.status, event.end = DONE, time.time()
+                    self._finished_elsewhere.append((event, outputs))
+                else:
+                    event.status = WAITING
         for event, outputs in self._finished_elsewhere:
             if event.after is None and event.status == DONE:
                 event.after = self._tensors(outputs)
@@ -473,6 +479,8 @@ def _role(code, globals_: dict) -> tuple[str | None, str | None, str | None]:
         for prefix, label in MAKERS:
             if module == prefix or module.startswith(prefix + "."):
                 library = DDP_PHASES.get(code.co_name, label) if label == "DDP" else label
+        if module.startswith(OBSERVERS):
+            library = None  # a tool that watches the calls (CommDebugMode re-makes each one)
         role = _roles[code] = (api, library, helper)
     return role
 
