@@ -105,6 +105,7 @@ MAKERS = (
     ("torch.distributed._functional_collectives", "functional collectives"),
     ("torch.distributed.device_mesh", "DeviceMesh"),
 )
+UNFINISHED_GRACE_SECONDS = 0.1  # at the cell's end, for all of its libraries' handles together
 # Modules under the makers' that only watch calls, as this tracer does.
 OBSERVERS = ("torch.distributed.tensor.debug",)
 DDP_PHASES = {"__init__": "DDP construction", "forward": "DDP forward"}
@@ -172,8 +173,13 @@ class Tracer:
         # A library's call whose handle nobody waited on in Python (DDP's reducer and the
         # functional collectives wait in C++), if finished, is read now; one that is not (an
         # async result the cell never used) is left as never waited on, its results unknown.
+        deadline = time.monotonic() + UNFINISHED_GRACE_SECONDS
         for work, event, outputs in list(self._pending.values()):
             if event.status == RUNNING and event.made_by is not None:
+                # The backend marks a handle complete on its own thread, a little after the
+                # library that waited for its result (DDP's reducer) went on.
+                while not work.is_completed() and time.monotonic() < deadline:
+                    time.sleep(0.001)
                 if work.is_completed():
                     event.status, event.end = DONE, time.time()
                     self._finished_elsewhere.append((event, outputs))
