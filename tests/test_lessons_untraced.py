@@ -39,8 +39,12 @@ def compared(outputs: list) -> list[str]:
     figure: traced cells draw theirs)."""
     kept = []
     for output in outputs:
-        if output.output_type == "stream":
-            kept.append(f"{output.name}: {output.text}")
+        if output.output_type == "stream":  # as nbval reads it: a stream's pieces joined
+            text = output.text.replace("\r\n", "\n")
+            if kept and kept[-1].startswith(f"{output.name}: "):
+                kept[-1] += text
+            else:
+                kept.append(f"{output.name}: {text}")
         elif output.output_type == "error":
             kept.append(f"error: {output.ename}")
         elif "image/png" not in output.get("data", {}):  # a diagram (a figure's text is nbval's)

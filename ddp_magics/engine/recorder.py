@@ -133,6 +133,7 @@ class Tracer:
         self._known: dict[int, tuple] = {}  # id -> (weak reference, TensorInfo without values, small)
         # id(work) -> (work, its event, the call's output tensors): handles not finished yet.
         self._pending: dict[int, tuple[object, TraceEvent, tuple]] = {}
+        self._futures: dict[int, object] = {}  # id(work) -> its future, where it has one
         self._finished_elsewhere: list[tuple[TraceEvent, tuple]] = []  # outputs read at the end
         self._buckets: dict[int, int] = {}  # backward pass -> DDP buckets reduced so far
         self._main_thread = threading.main_thread()
@@ -172,25 +173,31 @@ class Tracer:
         self.active = False
         # A library's call whose handle nobody waited on in Python (DDP's reducer and the
         # functional collectives wait in C++), if finished, is read now; one that is not (an
-        # async result the cell never used) is left as never waited on, its results unknown.
+        # async result the cell never used) is left as never waited on, its results unknown;
+        # one whose handle cannot tell is left done with its results unknown.
         deadline = time.monotonic() + UNFINISHED_GRACE_SECONDS
         for work, event, outputs in list(self._pending.values()):
-            if event.status == RUNNING and event.made_by is not None:
-                # The backend marks a handle complete on its own thread, a little after the
-                # library that waited for its result (DDP's reducer) went on.
-                while not work.is_completed() and time.monotonic() < deadline:
-                    time.sleep(0.001)
-                if work.is_completed():
-                    event.status, event.end = DONE, time.time()
-                    self._finished_elsewhere.append((event, outputs))
-                else:
-                    event.status = WAITING
+            if event.status != RUNNING or event.made_by is None:
+                continue
+            future = self._futures.get(id(work))
+            # The backend completes a future on its own thread, a little after the library that
+            # waited for its result (DDP's reducer) went on.
+            while future is not None and not future.done() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            if work.is_completed() or (future is not None and future.done()):
+                event.status, event.end = DONE, time.time()
+                self._finished_elsewhere.append((event, outputs))
+            elif future is not None:
+                event.status = WAITING
+            else:  # no way to tell (gloo's reduce-scatter never says it completed): results unknown
+                event.status, event.end = DONE, time.time()
         for event, outputs in self._finished_elsewhere:
             if event.after is None and event.status == DONE:
                 event.after = self._tensors(outputs)
         # Let go of the cell's groups, handles and tensors: a group the user deletes must really
         # go (destroying and re-forming the default group on the same port relies on it).
         self._pending.clear()
+        self._futures.clear()
         self._finished_elsewhere.clear()
         self._groups.clear()
         self._known.clear()
@@ -300,8 +307,8 @@ class Tracer:
         if event.made_by is None:
             return
         try:
-            future = work.get_future()
-        except RuntimeError:  # "not implemented" (gloo's send and recv): done when the cell is
+            future = self._futures[id(work)] = work.get_future()
+        except RuntimeError:  # "not implemented" (gloo's send, recv and reduce-scatter)
             return
 
         def finished(_future) -> None:  # on the backend's thread: the values are read later

@@ -1,0 +1,117 @@
+"""Lesson 14's checkers fail the obvious wrong answers and pass the reference solutions.
+
+As in tests/test_checkers.py: on a real gloo cluster of 2 ranks, with the lesson's set-up cell run on every
+rank (``make_model``, ``local_bytes``, ``fully_shard``, ``FSDPModule``, ``DTensor``), the lesson's own checker
+cell runs after a wrong solution (every rank must print ``not yet``) and after the lesson's reference solution
+(every rank ``pass``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import running_cluster
+from tests.test_checkers import assert_checker, assert_run_all, lesson_cell, on_ranks
+
+LESSON = "14_fsdp"
+WORLD = 2
+
+
+@pytest.fixture(scope="module")
+def lesson_ranks(ip):
+    """2 ranks holding the lesson's set-up: its imports, ``make_model`` and ``local_bytes``."""
+    with running_cluster(ip, WORLD) as magics:
+        on_ranks(ip, lesson_cell(LESSON, '"""Lesson 14\'s set-up'))
+        yield magics
+
+
+# exercise 1: each rank's parameter bytes, as torch.chunk cuts dim 0
+
+PREDICT_WRONG = {
+    "the bytes split evenly (no rows)": """
+def predict_bytes(model, rank, world_size):
+    return sum(p.nbytes for p in model.parameters()) // world_size
+""",
+    "balanced rows (divmod), not torch.chunk's ceil-sized ones": """
+def predict_bytes(model, rank, world_size):
+    total = 0
+    for p in model.parameters():
+        base, extra = divmod(p.shape[0], world_size)
+        total += (base + (rank < extra)) * (p.numel() // p.shape[0]) * p.element_size()
+    return total
+""",
+    "floor-sized rows (the remainder dropped)": """
+def predict_bytes(model, rank, world_size):
+    return sum(p.shape[0] // world_size * (p.numel() // p.shape[0]) * p.element_size()
+               for p in model.parameters())
+""",
+    "weights only (biases forgotten)": """
+import math
+
+
+def predict_bytes(model, rank, world_size):
+    total = 0
+    for p in model.parameters():
+        if p.dim() < 2:
+            continue
+        per_rank = math.ceil(p.shape[0] / world_size)
+        total += max(0, min(per_rank, p.shape[0] - rank * per_rank)) * p.shape[1] * p.element_size()
+    return total
+""",
+}
+
+
+@pytest.mark.parametrize("wrong", list(PREDICT_WRONG))
+def test_14_predict_bytes_must_follow_fully_shard(ip, lesson_ranks, wrong):
+    assert_checker(ip, LESSON, 1, PREDICT_WRONG[wrong], WORLD)
+
+
+# exercise 2: blocks first, then the root; blocks resharded after forward
+
+SHARD_WRONG = {
+    "the whole model only (one group)": """
+def shard_block_by_block(model):
+    fully_shard(model, mesh=mesh)
+    return model
+""",
+    "the blocks only (each its own root, kept after forward)": """
+def shard_block_by_block(model):
+    for block in list(model)[:-1]:
+        fully_shard(block, mesh=mesh)
+    return model
+""",
+    "top-down (the root first)": """
+def shard_block_by_block(model):
+    fully_shard(model, mesh=mesh)
+    for block in list(model)[:-1]:
+        fully_shard(block, mesh=mesh)
+    return model
+""",
+    "blocks kept after forward": """
+def shard_block_by_block(model):
+    for block in list(model)[:-1]:
+        fully_shard(block, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh)
+    return model
+""",
+    "the head sharded as a block too": """
+def shard_block_by_block(model):
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+""",
+}
+
+
+@pytest.mark.parametrize("wrong", list(SHARD_WRONG))
+def test_14_shard_block_by_block_must_wrap_bottom_up(ip, lesson_ranks, wrong):
+    assert_checker(ip, LESSON, 2, SHARD_WRONG[wrong], WORLD)
+
+
+def test_14_run_all_checks_the_learners_answers(ip, lesson_ranks):
+    wrong = {
+        1: PREDICT_WRONG["balanced rows (divmod), not torch.chunk's ceil-sized ones"],
+        2: SHARD_WRONG["the blocks only (each its own root, kept after forward)"],
+    }
+    assert_run_all(ip, LESSON, wrong, WORLD)
