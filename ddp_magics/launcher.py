@@ -31,7 +31,8 @@ from ipyparallel.cluster.launcher import (
 )
 from traitlets import Dict
 
-from ddp_magics.engine.zygote import READY, SOCKET_NAME, fork_engine
+from ddp_magics.engine.zygote import READY
+from ddp_magics.engine.zygote_client import SOCKET_NAME, fork_engine
 from ddp_magics.lifetime import CLUSTER_DIR_ENV
 
 ZYGOTE_LOG = "zygote.log"

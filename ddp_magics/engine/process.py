@@ -12,7 +12,7 @@ from traitlets.config import Config
 
 from ddp_magics.engine.nanny import start_group_nanny
 from ddp_magics.engine.rank import start_background_import
-from ddp_magics.engine.zygote import ZYGOTE_SOCKET_ENV, fork_nanny
+from ddp_magics.engine.zygote_client import ZYGOTE_SOCKET_ENV, fork_nanny
 from ddp_magics.lifetime import watch_owner
 
 

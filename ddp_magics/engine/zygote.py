@@ -14,7 +14,7 @@ connection carries one request, a JSON line, and gets the forked PID back: an en
 descriptors), which ipyparallel would otherwise start as a new Python process per engine.
 No thread or zmq context exists here before a fork; the zygote reaps what it forked as it
 exits, and exits with its children when the cluster's owner ends (the owner's pidfd is in the
-same ``select`` as the socket).
+same ``select`` as the socket). Its clients' side is :mod:`ddp_magics.engine.zygote_client`.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ import socket
 import struct
 import sys
 from pathlib import Path
-from typing import BinaryIO
 
+from ddp_magics.engine.zygote_client import SOCKET_NAME, ZYGOTE_SOCKET_ENV
 from ddp_magics.lifetime import (
     CLUSTER_DIR_ENV,
     OWNER_ENV,
@@ -42,11 +42,8 @@ from ddp_magics.lifetime import (
 )
 from ddp_magics.private_files import unix_address
 
-SOCKET_NAME = "zygote.sock"
 # A line of the zygote's log for each process it forked that ended: this prefix, PID, how.
 ENDED_PREFIX = "ddp_magics zygote: ended: PID "
-# Set in the engines the zygote forks: where to ask for their nannies.
-ZYGOTE_SOCKET_ENV = "DDP_MAGICS_ZYGOTE"
 READY = "ready"
 # Imported once, here, instead of in every engine: torch, ipyparallel's engine and nanny, the
 # kernel parts an engine loads as it starts (the debugger alone is 0.1 s), ddp_magics' engine
@@ -67,44 +64,6 @@ MAX_REQUEST_BYTES = 1 << 24  # an engine's whole environment fits many times ove
 MAX_FDS = 2
 # A client sends its request as it connects; one that does not is dropped after this long.
 REQUEST_SECONDS = 2.0
-
-
-def fork_engine(socket_path: Path, argv: list[str], env: dict[str, str], cwd: str, output: str) -> int:
-    """Ask the zygote listening at ``socket_path`` for an engine; returns its PID."""
-    request = {"engine": {"argv": argv, "env": env, "cwd": cwd, "output": output}}
-    return _ask(socket_path, request, fds=[])
-
-
-def fork_nanny(socket_path: Path, nanny_arguments: dict) -> tuple[str, BinaryIO]:
-    """In an engine: what ``ipyparallel.engine.nanny.start_nanny`` returns (the URL the engine's
-    control socket connects to, and the pipe to keep open), with the nanny forked by the zygote
-    rather than started as a new Python (whose imports take about half a second)."""
-    read_end, write_end = os.pipe()
-    try:
-        arguments = base64.b64encode(pickle.dumps({**nanny_arguments, "pid": os.getpid()})).decode()
-        # The nanny writes its URL into the pipe, then watches it: it ends when this process does.
-        # Its log goes where this engine's does.
-        _ask(socket_path, {"nanny": arguments}, fds=[write_end, sys.stderr.fileno()])
-    finally:
-        os.close(write_end)
-    pipe = os.fdopen(read_end, "rb")
-    url = pipe.readline().decode().strip()
-    if not url:
-        pipe.close()
-        raise RuntimeError("the nanny forked by the zygote did not start (see the engine's log)")
-    return url, pipe
-
-
-def _ask(socket_path: Path, request: dict, fds: list[int]) -> int:
-    """Send one request (with file descriptors) to the zygote; returns the forked PID."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
-        with unix_address(socket_path) as address:
-            connection.connect(address)
-        socket.send_fds(connection, [json.dumps(request).encode() + b"\n"], fds)
-        reply = connection.makefile().readline()
-    if not reply:
-        raise RuntimeError(f"the zygote at {socket_path} closed the connection without forking")
-    return int(json.loads(reply)["pid"])
 
 
 # ----------------------------------------------------------------- in the zygote
