@@ -6,6 +6,10 @@
 - ``draw_step(trace, n)``: step n alone (lessons draw ops that are not run with it: see
   :mod:`ddp_magics.lessons`).
 
+:class:`Trace` is the trace a traced cell leaves in the notebook: the matched calls of
+:mod:`ddp_magics.matching`, which it can draw. matplotlib (half a second to import) is imported
+when a diagram is first drawn, not with this module.
+
 Each :class:`Diagram` shows as an image in a notebook and has a deterministic text form (the
 listing of ops and values) that nbval compares. Artists carry gids (``before:0``,
 ``arrow:0->1``, ``event:1:3``, ...) so tests can check what was drawn.
@@ -15,12 +19,13 @@ from __future__ import annotations
 
 import io
 import textwrap
+from typing import TYPE_CHECKING
 
-from matplotlib.figure import Figure
-from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
-
-from ddp_magics.matching import COLLECTIVE, TRANSFER, Step, Trace
+from ddp_magics.matching import COLLECTIVE, TRANSFER, MatchedTrace, Step
 from ddp_magics.protocol import OPS, RUNNING, WAIT, TraceEvent, format_values, plural, rank_label
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 MAX_TIMELINE_STEPS = 30  # in the text listing
 MAX_TIMELINE_COLUMNS = 16
@@ -71,8 +76,17 @@ class Diagram:
         return self.text
 
 
+class Trace(MatchedTrace):
+    """The ranks' calls of one cell, matched (see :class:`~ddp_magics.matching.MatchedTrace`),
+    and drawn on demand."""
+
+    def draw(self, step: int | None = None, timeline: bool | None = None) -> Diagram:
+        """A diagram: one step (``step=N``, numbered as in the listing) or the timeline."""
+        return draw_trace(self, step=step, timeline=timeline)
+
+
 # --------------------------------------------------------------------------- entry points
-def draw_trace(trace: Trace, step: int | None = None, timeline: bool | None = None) -> Diagram:
+def draw_trace(trace: MatchedTrace, step: int | None = None, timeline: bool | None = None) -> Diagram:
     """Step ``step`` (numbered as in ``trace``'s listing) or, by default, the only step if there
     is one and the timeline otherwise."""
     if step is not None:
@@ -85,7 +99,8 @@ def draw_trace(trace: Trace, step: int | None = None, timeline: bool | None = No
 
 
 # --------------------------------------------------------------------------- one step
-def draw_step(trace: Trace, number: int) -> Diagram:
+def draw_step(trace: MatchedTrace, number: int) -> Diagram:
+    from matplotlib.patches import FancyArrowPatch
     step = trace.steps[number - 1]
     ranks = sorted(set(step.group) | set(step.events)) if step.kind == COLLECTIVE else step.ranks
     columns = {rank: index * 2.0 for index, rank in enumerate(ranks)}
@@ -135,6 +150,7 @@ def draw_step(trace: Trace, number: int) -> Diagram:
 
 
 def _figure() -> tuple[Figure, object]:
+    from matplotlib.figure import Figure
     figure = Figure()
     axes = figure.add_axes((0, 0, 1, 1))
     axes.set_axis_off()
@@ -185,6 +201,7 @@ def _value_lines(infos, still_running: bool = False) -> list[str]:
 
 
 def _box(axes, x, y, width, height, text, edge, gid, dashed=False, fontsize=8.5) -> None:
+    from matplotlib.patches import FancyBboxPatch
     axes.add_patch(
         FancyBboxPatch(
             (x - width / 2, y - height / 2),
@@ -216,9 +233,10 @@ def _mismatch_footer(axes, mismatches, x, y) -> None:
 
 
 # --------------------------------------------------------------------------- a sequence
-def draw_timeline(trace: Trace) -> Diagram:
+def draw_timeline(trace: MatchedTrace) -> Diagram:
     """One lane per rank, time left to right. A long trace draws each run of repeated steps once
     (a box says ``3 x50``: step 3, fifty times), then its first columns, and says so."""
+    from matplotlib.patches import FancyBboxPatch
     full, labels = trace, {}
     if len(trace.steps) > MAX_TIMELINE_COLUMNS and trace.repeats():
         trace, labels = trace.condensed()
@@ -299,6 +317,7 @@ def draw_timeline(trace: Trace) -> Diagram:
 
 def _transfer_arrow(axes, step: Step, number: int, x_of, y_of) -> None:
     """From the send's box to the recv's box: straight down (or up) when they share a column."""
+    from matplotlib.patches import FancyArrowPatch
     send, recv = step.send, step.recv
     x_send, x_recv = x_of(step.columns[send.rank]), x_of(step.columns[recv.rank])
     y_send, y_recv = y_of(send.rank), y_of(recv.rank)
@@ -323,7 +342,7 @@ def _transfer_arrow(axes, step: Step, number: int, x_of, y_of) -> None:
     )
 
 
-def _timeline_notes(trace: Trace, lanes: dict[int, int], not_drawn: int, repeated: bool) -> list[str]:
+def _timeline_notes(trace: MatchedTrace, lanes: dict[int, int], not_drawn: int, repeated: bool) -> list[str]:
     notes = []
     if repeated:
         notes.append("Repeated steps drawn once: 'N xT' is step N of the listing, T times in a row")

@@ -32,6 +32,7 @@ from ddp_magics.cluster import (
     RankCluster,
     Recovery,
 )
+from ddp_magics.diagrams import Trace
 from ddp_magics.diff import describe_differences
 from ddp_magics.errors import (
     RESTART_ADVICE,
@@ -42,7 +43,6 @@ from ddp_magics.errors import (
     usage_error,
 )
 from ddp_magics.live_view import LiveView
-from ddp_magics.matching import Trace
 from ddp_magics.output import StatusTable, live_html, render
 from ddp_magics.protocol import SKIP_BREAKPOINTS, TRACE_KEY, format_ranks, rank_label
 from ddp_magics.stacks import BlockedRank

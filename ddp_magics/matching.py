@@ -1,8 +1,8 @@
 """Matching the ranks' traced calls (the notebook side of tracing).
 
-:class:`Trace` merges the ranks' events. It pairs each send with its recv, lines up each
+:class:`MatchedTrace` merges the ranks' events. It pairs each send with its recv, lines up each
 group's collectives by their order on every rank, names mismatches in plain words and orders
-everything into steps that :mod:`ddp_magics.diagrams` draws.
+everything into steps that :mod:`ddp_magics.diagrams` draws (its ``Trace`` is this one, drawable).
 """
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ SIZE_MISMATCH = "send and recv sizes differ"
 
 
 @dataclass
-class Trace:
+class MatchedTrace:
     """The merged trace of one cell: every rank's calls, matched into steps, with mismatches.
 
     ``complete`` is False when some ranks had not finished the cell (the trace holds what they
@@ -278,7 +278,7 @@ class Trace:
             tuple((rank, e.op, e.line, e.made_by, e.status) for rank, e in sorted(step.events.items())),
         )
 
-    def condensed(self) -> tuple[Trace, dict[tuple[int, int], str]]:
+    def condensed(self) -> tuple[MatchedTrace, dict[tuple[int, int], str]]:
         """This trace with each run of repeated steps kept once (what a timeline can draw): that
         trace, and for each kept event ``(rank, seq)`` its step's number here (``3``), with how
         many times it came (``3 x50``) if it repeats."""
@@ -296,7 +296,7 @@ class Trace:
                     labels[(rank, event.seq)] = label
             position += period * (block.times if block else 1)
         events = {rank: [e for e in events if (rank, e.seq) in kept] for rank, events in self.events.items()}
-        return Trace(events, complete=self.complete, lost=self.lost), labels
+        return type(self)(events, complete=self.complete, lost=self.lost), labels
 
     def summary(self) -> str:
         """``12 x all_reduce, 4 x send/recv`` over all steps."""
@@ -307,12 +307,6 @@ class Trace:
 
     def __repr__(self) -> str:
         return self.text()
-
-    def draw(self, step: int | None = None, timeline: bool | None = None):
-        """A diagram: one step (``step=N``, numbered as in the listing) or the timeline."""
-        from ddp_magics import diagrams  # diagrams draws Traces: imported when one is drawn
-
-        return diagrams.draw_trace(self, step=step, timeline=timeline)
 
 
 def match(

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import functools
 
-from ddp_magics.diagrams import Diagram, draw_step
-from ddp_magics.matching import Trace
+from ddp_magics.diagrams import Diagram, Trace, draw_step
 from ddp_magics.protocol import DONE, OPS, TRACED_OPS, TensorInfo, TraceEvent
 
 # --------------------------------------------------------------------------- without running anything
