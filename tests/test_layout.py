@@ -81,3 +81,39 @@ def test_only_the_cluster_layer_talks_to_ipyparallel():
     for path in notebook_side:
         if path.name not in CLUSTER_LAYER:
             assert "._metadata" not in path.read_text(), path.name
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each module of the package -> the modules of the package it imports (anywhere in it)."""
+    modules = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        imported = set()
+        for target in ours(imported_modules(path)):
+            # ``from ddp_magics.engine import recorder`` names a module; ``from x import f`` its module.
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name and target != "ddp_magics":
+                imported.add(target)
+        graph[name] = imported
+    return graph
+
+
+def test_the_imports_have_no_cycle():
+    """Every import points one way (notebook side: protocol -> matching -> diagrams -> magics;
+    engine side: zygote -> process -> rank), also through imports made inside functions."""
+    graph = import_graph()
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in path:
+            raise AssertionError("import cycle: " + " -> ".join([*path[path.index(module) :], module]))
+        if module in done:
+            return
+        for target in sorted(graph[module]):
+            visit(target, [*path, module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+    assert "ddp_magics.matching" in graph["ddp_magics.diagrams"]  # the graph is read at all
