@@ -32,6 +32,7 @@ MAX_TIMELINE_COLUMNS = 16
 COLUMN_WIDTH, EVENT_WIDTH = 1.75, 1.45
 MAX_TIMELINE_RANKS = 8
 MAX_BOX_LINES = 8
+MAX_STEP_BOXES = 8  # ranks with a box in one step's picture; beyond, runs of ranks share one
 BOX_TEXT_WIDTH = 20
 # Inches per data unit: the axes fill the figure, so text (in points) and boxes (in data units)
 # keep their proportions whatever the number of ranks.
@@ -101,36 +102,51 @@ def draw_trace(trace: MatchedTrace, step: int | None = None, timeline: bool | No
 # --------------------------------------------------------------------------- one step
 def draw_step(trace: MatchedTrace, number: int) -> Diagram:
     from matplotlib.patches import FancyArrowPatch
+
     step = trace.steps[number - 1]
     ranks = sorted(set(step.group) | set(step.events)) if step.kind == COLLECTIVE else step.ranks
-    columns = {rank: index * 2.0 for index, rank in enumerate(ranks)}
-    boxes = {rank: (_box_text(step, rank, "before"), _box_text(step, rank, "after")) for rank in ranks}
+    mismatches = [m for m in trace.mismatches if any(m.involves(e) for e in step.events.values())]
+    drawn = _drawn_ranks(step, ranks, mismatches)
+    columns = {item: index * 2.0 for index, item in enumerate(drawn)}
+    shown = [item for item in drawn if isinstance(item, int)]
+    boxes = {rank: (_box_text(step, rank, "before"), _box_text(step, rank, "after")) for rank in shown}
     lines = max(len(text.splitlines()) for pair in boxes.values() for text in pair)
     box_height = 0.25 + LINE_HEIGHT * lines
     before_y, after_y = 1.7 + box_height, 0.0
-    mismatches = [m for m in trace.mismatches if any(m.involves(e) for e in step.events.values())]
 
     figure, axes = _figure()
-    for rank in ranks:
-        event = step.events.get(rank)
+    for item in drawn:
+        if not isinstance(item, int):  # a run of ranks not drawn, one box for it in each row
+            text = f"{rank_label(list(item))}\n({len(item)} more)"
+            for row, y in (("before", before_y), ("after", after_y)):
+                gid = f"{row}:more:{item[0]}-{item[-1]}"
+                _box(axes, columns[item], y, 1.6, box_height, text, "0.6", gid, dashed=True)
+            continue
+        event = step.events.get(item)
         missing = event is None
-        edge = MISMATCH_COLOR if missing or any(m.involves(event) for m in mismatches) else rank_color(rank)
+        edge = MISMATCH_COLOR if missing or any(m.involves(event) for m in mismatches) else rank_color(item)
         for row, y in (("before", before_y), ("after", after_y)):
-            text = boxes[rank][0 if row == "before" else 1]
-            _box(axes, columns[rank], y, 1.6, box_height, text, edge, f"{row}:{rank}", dashed=missing)
-    for source, target in step.flows():
-        arrow = FancyArrowPatch(
-            (columns[source], before_y - box_height / 2),
-            (columns[target], after_y + box_height / 2),
-            arrowstyle="-|>",
-            mutation_scale=12,
-            color=rank_color(source),
-            linewidth=1.4,
-            shrinkA=2,
-            shrinkB=2,
-            gid=f"arrow:{source}->{target}",
-        )
-        axes.add_patch(arrow)
+            text = boxes[item][0 if row == "before" else 1]
+            _box(axes, columns[item], y, 1.6, box_height, text, edge, f"{row}:{item}", dashed=missing)
+    everyone = len(step.events) > 2 and len(step.flows()) == len(step.events) * (len(step.events) - 1)
+    if len(shown) < len(ranks) and everyone:  # from every rank to every rank: through one point
+        _through_hub(axes, step, shown, columns, before_y - box_height / 2, after_y + box_height / 2)
+    else:
+        for source, target in step.flows():
+            if source not in columns or target not in columns:
+                continue
+            arrow = FancyArrowPatch(
+                (columns[source], before_y - box_height / 2),
+                (columns[target], after_y + box_height / 2),
+                arrowstyle="-|>",
+                mutation_scale=12,
+                color=rank_color(source),
+                linewidth=1.4,
+                shrinkA=2,
+                shrinkB=2,
+                gid=f"arrow:{source}->{target}",
+            )
+            axes.add_patch(arrow)
     left = min(columns.values()) - 1.0
     axes.text(left - 0.1, before_y, "before", ha="right", va="center", fontsize=9, color="0.35")
     axes.text(left - 0.1, after_y, "after", ha="right", va="center", fontsize=9, color="0.35")
@@ -149,8 +165,74 @@ def draw_step(trace: MatchedTrace, number: int) -> Diagram:
     return Diagram(figure, "\n".join(listing))
 
 
+def _drawn_ranks(step: Step, ranks: list[int], mismatches: list) -> list:
+    """The ranks a step's picture has a box for: all of up to ``MAX_STEP_BOXES``; beyond, the
+    first and last few, the root, and every rank missing or in a mismatch, with each run of
+    ranks left out as one tuple of them."""
+    if len(ranks) <= MAX_STEP_BOXES:
+        return list(ranks)
+    keep = {*ranks[: MAX_STEP_BOXES // 2], *ranks[-2:]}
+    keep.update(
+        rank
+        for rank in ranks
+        if rank not in step.events or any(m.involves(step.events[rank]) for m in mismatches)
+    )
+    keep.update(event.root for event in step.events.values() if event.root is not None)
+    drawn: list = []
+    run: list[int] = []
+    for rank in ranks:
+        if rank in keep:
+            if run:
+                drawn.append(tuple(run))
+                run = []
+            drawn.append(rank)
+        else:
+            run.append(rank)
+    if run:
+        drawn.append(tuple(run))
+    return drawn
+
+
+def _through_hub(axes, step: Step, shown: list[int], columns: dict, top: float, bottom: float) -> None:
+    """Every rank's data reaching every rank (an all-reduce of many ranks), drawn as arrows into
+    one point and out of it, instead of one arrow per pair."""
+    from matplotlib.patches import FancyArrowPatch
+
+    x = (min(columns.values()) + max(columns.values())) / 2
+    y = (top + bottom) / 2
+    axes.text(
+        x,
+        y,
+        f"{step.op}\n{rank_label(step.ranks)}",
+        ha="center",
+        va="center",
+        fontsize=8.5,
+        bbox={"boxstyle": "round,pad=0.3", "facecolor": "#eef3fb", "edgecolor": "0.6"},
+        gid="hub",
+    )
+    for rank in shown:
+        for start, end, gid in (
+            ((columns[rank], top), (x, y + 0.25), f"arrow:{rank}->hub"),
+            ((x, y - 0.25), (columns[rank], bottom), f"arrow:hub->{rank}"),
+        ):
+            axes.add_patch(
+                FancyArrowPatch(
+                    start,
+                    end,
+                    arrowstyle="-|>",
+                    mutation_scale=10,
+                    color=rank_color(rank),
+                    linewidth=1.1,
+                    shrinkA=2,
+                    shrinkB=2,
+                    gid=gid,
+                )
+            )
+
+
 def _figure() -> tuple[Figure, object]:
     from matplotlib.figure import Figure
+
     figure = Figure()
     axes = figure.add_axes((0, 0, 1, 1))
     axes.set_axis_off()
@@ -202,6 +284,7 @@ def _value_lines(infos, still_running: bool = False) -> list[str]:
 
 def _box(axes, x, y, width, height, text, edge, gid, dashed=False, fontsize=8.5) -> None:
     from matplotlib.patches import FancyBboxPatch
+
     axes.add_patch(
         FancyBboxPatch(
             (x - width / 2, y - height / 2),
@@ -237,6 +320,7 @@ def draw_timeline(trace: MatchedTrace) -> Diagram:
     """One lane per rank, time left to right. A long trace draws each run of repeated steps once
     (a box says ``3 x50``: step 3, fifty times), then its first columns, and says so."""
     from matplotlib.patches import FancyBboxPatch
+
     full, labels = trace, {}
     if len(trace.steps) > MAX_TIMELINE_COLUMNS and trace.repeats():
         trace, labels = trace.condensed()
@@ -318,6 +402,7 @@ def draw_timeline(trace: MatchedTrace) -> Diagram:
 def _transfer_arrow(axes, step: Step, number: int, x_of, y_of) -> None:
     """From the send's box to the recv's box: straight down (or up) when they share a column."""
     from matplotlib.patches import FancyArrowPatch
+
     send, recv = step.send, step.recv
     x_send, x_recv = x_of(step.columns[send.rank]), x_of(step.columns[recv.rank])
     y_send, y_recv = y_of(send.rank), y_of(recv.rank)

@@ -27,6 +27,7 @@ from ddp_magics.protocol import (
 )
 
 COLLECTIVE, TRANSFER, SOLO = "collective", "transfer", "solo"
+MAX_STEP_LINES = 8  # per step in a listing: beyond, the first and last few ranks
 
 
 @dataclass
@@ -96,8 +97,10 @@ class Step:
             return f"wait for {self.waited.title()}"
         return _collective_title(self)
 
-    def lines(self) -> list[str]:
-        """Per rank: values before -> after; ranks with the same line share it."""
+    def lines(self, every_rank: bool = False) -> list[str]:
+        """Per rank: values before -> after; ranks with the same line share it. Past
+        ``MAX_STEP_LINES`` lines (16 ranks, each with its own values), the first and last few
+        and one line naming the ranks left out, unless ``every_rank``."""
         ranks_by_line: dict[str, list[int]] = {}
         for rank in self.ranks:
             event = self.events[rank]
@@ -112,7 +115,13 @@ class Step:
         for rank in self.missing:
             line = "died before its calls were reported" if rank in self.lost else "never called it"
             ranks_by_line.setdefault(line, []).append(rank)
-        return [f"{rank_label(ranks)}: {line}" for line, ranks in ranks_by_line.items()]
+        lines = [(ranks, f"{rank_label(ranks)}: {line}") for line, ranks in ranks_by_line.items()]
+        if every_rank or len(lines) <= MAX_STEP_LINES:
+            return [line for _, line in lines]
+        head, tail = lines[: MAX_STEP_LINES // 2], lines[-2:]  # as the picture draws them
+        left_out = sorted(rank for ranks, _ in lines[len(head) : -2] for rank in ranks)
+        elided = f"{rank_label(left_out)}: one line each, not listed (lines(every_rank=True) lists them)"
+        return [*(line for _, line in head), elided, *(line for _, line in tail)]
 
 
 def _collective_title(step: Step) -> str:

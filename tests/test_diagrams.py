@@ -127,3 +127,34 @@ def test_interleaved_groups_in_one_column_get_separate_bands_and_reduce_ops_are_
     labels = {artist.get_gid(): artist.get_text() for artist in diagram.artists("text:event:")}
     assert labels["text:event:1:1"].splitlines()[0].endswith("all_reduce MAX")  # named unless SUM
     assert labels["text:event:0:1"].splitlines()[0].endswith("all_reduce")
+
+
+def test_a_step_on_16_ranks_is_one_readable_picture_and_listing():
+    """Issue 25: 16 ranks, each with its own value. The listing keeps the first and last ranks and
+    names those it leaves out; the picture draws a box for the first and last few ranks, one for
+    the run between them, and the all-reduce's data going through one point, not 240 arrows."""
+    from ddp_magics.lessons import simulated_trace
+
+    trace = simulated_trace("all_reduce", [[float(rank)] for rank in range(16)])
+    lines = trace.steps[0].lines()
+    assert lines == [
+        "rank 0: [0.0] -> [120.0]",
+        "rank 1: [1.0] -> [120.0]",
+        "rank 2: [2.0] -> [120.0]",
+        "rank 3: [3.0] -> [120.0]",
+        "ranks 4-13: one line each, not listed (lines(every_rank=True) lists them)",
+        "rank 14: [14.0] -> [120.0]",
+        "rank 15: [15.0] -> [120.0]",
+    ]
+    assert len(trace.steps[0].lines(every_rank=True)) == 16
+    diagram = trace.draw()
+    assert sorted(diagram.gids("before:")) == sorted(
+        ["before:0", "before:1", "before:2", "before:3", "before:14", "before:15", "before:more:4-13"]
+    )
+    arrows = diagram.gids("arrow:")
+    assert len(arrows) == 2 * 6 and "arrow:0->hub" in arrows and "arrow:hub->15" in arrows
+    assert diagram.gids("hub") == ["hub"]
+    # A rooted op keeps its own arrows, from the root to each rank drawn.
+    broadcast = simulated_trace("broadcast", [[float(rank)] for rank in range(16)], root=9).draw()
+    assert "before:9" in broadcast.gids("before:") and "arrow:9->0" in broadcast.gids("arrow:")
+    assert not broadcast.gids("hub")
