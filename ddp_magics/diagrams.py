@@ -101,8 +101,6 @@ def draw_trace(trace: MatchedTrace, step: int | None = None, timeline: bool | No
 
 # --------------------------------------------------------------------------- one step
 def draw_step(trace: MatchedTrace, number: int) -> Diagram:
-    from matplotlib.patches import FancyArrowPatch
-
     step = trace.steps[number - 1]
     ranks = sorted(set(step.group) | set(step.events)) if step.kind == COLLECTIVE else step.ranks
     mismatches = [m for m in trace.mismatches if any(m.involves(e) for e in step.events.values())]
@@ -135,18 +133,11 @@ def draw_step(trace: MatchedTrace, number: int) -> Diagram:
         for source, target in step.flows():
             if source not in columns or target not in columns:
                 continue
-            arrow = FancyArrowPatch(
+            start, end = (
                 (columns[source], before_y - box_height / 2),
                 (columns[target], after_y + box_height / 2),
-                arrowstyle="-|>",
-                mutation_scale=12,
-                color=rank_color(source),
-                linewidth=1.4,
-                shrinkA=2,
-                shrinkB=2,
-                gid=f"arrow:{source}->{target}",
             )
-            axes.add_patch(arrow)
+            _arrow(axes, start, end, source, f"arrow:{source}->{target}", size=12, width=1.4)
     left = min(columns.values()) - 1.0
     axes.text(left - 0.1, before_y, "before", ha="right", va="center", fontsize=9, color="0.35")
     axes.text(left - 0.1, after_y, "after", ha="right", va="center", fontsize=9, color="0.35")
@@ -196,8 +187,6 @@ def _drawn_ranks(step: Step, ranks: list[int], mismatches: list) -> list:
 def _through_hub(axes, step: Step, shown: list[int], columns: dict, top: float, bottom: float) -> None:
     """Every rank's data reaching every rank (an all-reduce of many ranks), drawn as arrows into
     one point and out of it, instead of one arrow per pair."""
-    from matplotlib.patches import FancyArrowPatch
-
     x = (min(columns.values()) + max(columns.values())) / 2
     y = (top + bottom) / 2
     axes.text(
@@ -215,19 +204,27 @@ def _through_hub(axes, step: Step, shown: list[int], columns: dict, top: float, 
             ((columns[rank], top), (x, y + 0.25), f"arrow:{rank}->hub"),
             ((x, y - 0.25), (columns[rank], bottom), f"arrow:hub->{rank}"),
         ):
-            axes.add_patch(
-                FancyArrowPatch(
-                    start,
-                    end,
-                    arrowstyle="-|>",
-                    mutation_scale=10,
-                    color=rank_color(rank),
-                    linewidth=1.1,
-                    shrinkA=2,
-                    shrinkB=2,
-                    gid=gid,
-                )
-            )
+            _arrow(axes, start, end, rank, gid, size=10, width=1.1)
+
+
+def _arrow(axes, start, end, rank: int, gid: str, size: float, width: float, zorder=None) -> None:
+    """An arrow in ``rank``'s colour: data moving from ``start`` to ``end``."""
+    from matplotlib.patches import FancyArrowPatch
+
+    axes.add_patch(
+        FancyArrowPatch(
+            start,
+            end,
+            arrowstyle="-|>",
+            mutation_scale=size,
+            color=rank_color(rank),
+            linewidth=width,
+            shrinkA=2,
+            shrinkB=2,
+            zorder=zorder,
+            gid=gid,
+        )
+    )
 
 
 def _figure() -> tuple[Figure, object]:
@@ -401,8 +398,6 @@ def draw_timeline(trace: MatchedTrace) -> Diagram:
 
 def _transfer_arrow(axes, step: Step, number: int, x_of, y_of) -> None:
     """From the send's box to the recv's box: straight down (or up) when they share a column."""
-    from matplotlib.patches import FancyArrowPatch
-
     send, recv = step.send, step.recv
     x_send, x_recv = x_of(step.columns[send.rank]), x_of(step.columns[recv.rank])
     y_send, y_recv = y_of(send.rank), y_of(recv.rank)
@@ -413,18 +408,8 @@ def _transfer_arrow(axes, step: Step, number: int, x_of, y_of) -> None:
     else:
         start = (x_send + EVENT_WIDTH / 2, y_send - 0.2 * down)
         end = (x_recv - EVENT_WIDTH / 2, y_recv + 0.2 * down)
-    axes.add_patch(
-        FancyArrowPatch(
-            start,
-            end,
-            arrowstyle="-|>",
-            mutation_scale=11,
-            color=rank_color(send.rank),
-            linewidth=1.3,
-            zorder=3,
-            gid=f"arrow:{send.rank}->{recv.rank}:{number}",
-        )
-    )
+    gid = f"arrow:{send.rank}->{recv.rank}:{number}"
+    _arrow(axes, start, end, send.rank, gid, size=11, width=1.3, zorder=3)
 
 
 def _timeline_notes(trace: MatchedTrace, lanes: dict[int, int], not_drawn: int, repeated: bool) -> list[str]:
