@@ -327,6 +327,17 @@ def test_a_killed_remote_rank_is_replaced_on_its_host(ip, healthy):
     assert shown_text(captured) == "[rank 0]\n4.0 0\n[rank 1]\n4.0 1\n[rank 2]\n4.0 None\n[rank 3]\n4.0 3"
 
 
+READY_LINE = "4 ranks ready: backend gloo, world size 4, devices cpu x4"
+
+
+def said_by(client, code: str) -> list[tuple[str, str]]:
+    """The streams (name, text) a real kernel sent while running ``code``, which must succeed."""
+    shown = []
+    reply = client.execute_interactive(code, timeout=120, output_hook=shown.append)
+    assert reply["content"]["status"] == "ok", shown
+    return [(m["content"]["name"], m["content"]["text"]) for m in shown if m["msg_type"] == "stream"]
+
+
 RESTARTS_ENV = "DDP_MAGICS_TEST_TWO_HOST_RESTARTS"  # a longer run than make test's: e.g. 20
 
 
@@ -339,7 +350,9 @@ def test_restarts_after_a_hang_in_a_row_across_hosts(ip, healthy):
         old = [psutil.Process(info.pid) for info in healthy.cluster.ranks]
         with capture_output() as captured:
             ip.run_line_magic("dist_restart", "")
-        assert captured.stdout.strip().endswith("4 ranks ready: backend gloo, world size 4, devices cpu x4")
+        # Issue 25: nothing of ipyparallel's (its cmd_kill traceback, its logging) reaches the cell.
+        assert captured.stdout.strip() == "4 ranks ready: backend gloo, world size 4, devices cpu x4"
+        assert captured.stderr == "", captured.stderr
         assert_gone(old, timeout=10)
         captured, error = run_cell(ip, "", "t = torch.ones(1)\ndist.all_reduce(t)\nprint(t.item())")
         assert error is None and shown_text(captured) == "[ranks 0-3]\n4.0"
@@ -355,7 +368,9 @@ def test_breakpoint_on_a_remote_rank_is_answered_in_the_front_end(ssh):
             f"%load_ext ddp_magics\n%config DistributedMagics.ssh_command = ['ssh', '-F', {config!r}]\n"
             f"%dist_start --hosts {HOSTS} --backend gloo"
         )
-        assert client.execute_interactive(start, timeout=120)["content"]["status"] == "ok"
+        # Issue 25: in a real kernel, where a library's logging would reach the cell, the start and
+        # (at the end) a restart after a hang say one line each.
+        assert said_by(client, start) == [("stdout", READY_LINE + "\n")]
         answers = iter(["p rank, os.environ['MASTER_ADDR']", "c"])
         prompts, outputs = [], []
 
@@ -372,6 +387,9 @@ def test_breakpoint_on_a_remote_rank_is_answered_in_the_front_end(ssh):
         assert reply["content"]["status"] == "ok", text
         assert prompts == ["(Pdb rank 3) ", "(Pdb rank 3) "]
         assert f"(3, '{HOST_A}')" in text.splitlines()
+        hang = "%%distributed --timeout 1\nif rank == 0:\n    dist.recv(torch.zeros(1), src=3)"
+        client.execute_interactive(hang, timeout=60)
+        assert said_by(client, "%dist_restart") == [("stdout", READY_LINE + "\n")]
         assert client.execute_interactive("%dist_stop", timeout=60)["content"]["status"] == "ok"
     finally:
         client.stop_channels()
