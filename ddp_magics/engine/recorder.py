@@ -421,9 +421,14 @@ def _work_of(work_type, handle):
 
 def _first_tensor(value, tensor_type):
     """The first tensor in a tensor or in (nested) lists and tuples of them; None if none."""
+    if isinstance(value, tensor_type):
+        return value
     if isinstance(value, (list, tuple)):
-        return next((t for t in (_first_tensor(v, tensor_type) for v in value) if t is not None), None)
-    return value if isinstance(value, tensor_type) else None
+        for item in value:
+            found = _first_tensor(item, tensor_type)
+            if found is not None:
+                return found
+    return None
 
 
 def _recording_failed(error: Exception, op, keys, args, kwargs):
