@@ -105,7 +105,7 @@ MAKERS = (
     ("torch.distributed._functional_collectives", "functional collectives"),
     ("torch.distributed.device_mesh", "DeviceMesh"),
 )
-UNFINISHED_GRACE_SECONDS = 0.1  # at the cell's end, for all of its libraries' handles together
+UNFINISHED_GRACE_SECONDS = 0.1  # at the cell's end, for all of its libraries' futures together
 # Modules under the makers' that only watch calls, as this tracer does.
 OBSERVERS = ("torch.distributed.tensor.debug",)
 DDP_PHASES = {"__init__": "DDP construction", "forward": "DDP forward"}
@@ -134,6 +134,7 @@ class Tracer:
         # id(work) -> (work, its event, the call's output tensors): handles not finished yet.
         self._pending: dict[int, tuple[object, TraceEvent, tuple]] = {}
         self._futures: dict[int, object] = {}  # id(work) -> its future, where it has one
+        self._completions = threading.Condition()  # notified as a library call's future completes
         self._finished_elsewhere: list[tuple[TraceEvent, tuple]] = []  # outputs read at the end
         self._buckets: dict[int, int] = {}  # backward pass -> DDP buckets reduced so far
         self._main_thread = threading.main_thread()
@@ -175,15 +176,21 @@ class Tracer:
         # functional collectives wait in C++), if finished, is read now; one that is not (an
         # async result the cell never used) is left as never waited on, its results unknown;
         # one whose handle cannot tell is left done with its results unknown.
-        deadline = time.monotonic() + UNFINISHED_GRACE_SECONDS
+        unfinished = [
+            event
+            for work, event, _ in self._pending.values()
+            if event.status == RUNNING and event.made_by is not None and id(work) in self._futures
+        ]
+        # The backend completes a future on its own thread, a little after the library that
+        # waited for its result (DDP's reducer) went on: its callback (see _follow) says when.
+        with self._completions:
+            self._completions.wait_for(
+                lambda: all(event.status != RUNNING for event in unfinished), UNFINISHED_GRACE_SECONDS
+            )
         for work, event, outputs in list(self._pending.values()):
             if event.status != RUNNING or event.made_by is None:
                 continue
             future = self._futures.get(id(work))
-            # The backend completes a future on its own thread, a little after the library that
-            # waited for its result (DDP's reducer) went on.
-            while future is not None and not future.done() and time.monotonic() < deadline:
-                time.sleep(0.001)
             if work.is_completed() or (future is not None and future.done()):
                 event.status, event.end = DONE, time.time()
                 self._finished_elsewhere.append((event, outputs))
@@ -312,9 +319,11 @@ class Tracer:
             return
 
         def finished(_future) -> None:  # on the backend's thread: the values are read later
-            if event.status == RUNNING:
-                event.status, event.end = DONE, time.time()
-                self._finished_elsewhere.append((event, outputs))
+            with self._completions:
+                if event.status == RUNNING:
+                    event.status, event.end = DONE, time.time()
+                    self._finished_elsewhere.append((event, outputs))
+                self._completions.notify_all()
 
         future.add_done_callback(finished)
 
