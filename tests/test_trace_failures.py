@@ -146,3 +146,22 @@ def test_a_rank_that_died_is_not_said_to_have_skipped_a_call(ip, healthy):
     (step,) = trace.steps
     assert "rank 1: died before its calls were reported" in step.lines()
     assert "Mismatch" not in "\n".join(error._render_traceback_())
+
+
+def test_a_call_blocked_inside_the_backend_is_in_the_hang_report(ip, healthy):
+    # monitored_barrier waits inside the backend's op (as a first NCCL call creating its
+    # communicator does), before the op returns: the call is recorded once it returns, so the
+    # report reads it from the rank's stack meanwhile.
+    _, error = run_cell(
+        ip,
+        "--timeout 2 --trace tr",
+        "from datetime import timedelta\n"
+        "if rank == 0:\n"
+        "    dist.monitored_barrier(timeout=timedelta(seconds=4))",
+    )
+    call = "barrier on ranks 0,1 (monitored_barrier)"
+    assert isinstance(error, DistributedCellError)
+    assert str(error) == f"rank 0 still running after 2 s (rank 0 in {call} at cell line 3)"
+    event = ip.user_ns["tr"].in_progress(0)
+    assert event is not None and (event.op, event.line, event.status) == ("barrier", 3, "running")
+    assert f"[rank 0] still running, in {call} at cell line 3" in error._render_traceback_()

@@ -25,7 +25,6 @@ the process groups' own calls.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import sys
 import threading
 import time
@@ -106,6 +105,7 @@ MAKERS = (
     ("torch.distributed.device_mesh", "DeviceMesh"),
 )
 UNFINISHED_GRACE_SECONDS = 0.1  # at the cell's end, for all of its libraries' futures together
+UNFINISHED_POLL_SECONDS = 0.001
 # Modules under the makers' that only watch calls, as this tracer does.
 OBSERVERS = ("torch.distributed.tensor.debug",)
 DDP_PHASES = {"__init__": "DDP construction", "forward": "DDP forward"}
@@ -126,17 +126,19 @@ class Tracer:
         self.values_limit = values_limit
         self.events: list[TraceEvent] = []
         self.active = False
-        self._seq = itertools.count(1)
+        self._calls = 0  # the seq of the last event
+        self._in_flight: tuple | None = None  # (spec, args, start, before, thread) of a call in the backend
         self._library = None
         self._original_wait = None
         self._groups: dict[int, tuple[object, tuple[int, ...], str]] = {}
         self._known: dict[int, tuple] = {}  # id -> (weak reference, TensorInfo without values, small)
         # id(work) -> (work, its event, the call's output tensors): handles not finished yet.
         self._pending: dict[int, tuple[object, TraceEvent, tuple]] = {}
-        self._futures: dict[int, object] = {}  # id(work) -> its future, where it has one
-        self._completions = threading.Condition()  # notified as a library call's future completes
+        self._futures: dict[int, object] = {}  # id(work) -> its future (None: it has none)
         self._finished_elsewhere: list[tuple[TraceEvent, tuple]] = []  # outputs read at the end
+        self._sites: dict[tuple, tuple[list, CallSite]] = {}  # code path -> what its frames say
         self._buckets: dict[int, int] = {}  # backward pass -> DDP buckets reduced so far
+        self._unnamed_reduce_ops: list[tuple[TraceEvent, object]] = []  # (event, its ReduceOp)
         self._main_thread = threading.main_thread()
 
     # ---------------------------------------------------------------- install / remove
@@ -148,16 +150,20 @@ class Tracer:
         try:
             for name, spec in C10D_OPS.items():
                 if torch._C._dispatch_has_kernel(f"c10d::{name}"):  # an older torch may lack one
-                    library.impl(name, self._kernel(name, spec), "BackendSelect")
+                    library.impl(name, self._kernel(name, spec), "BackendSelect", with_keyset=True)
         except BaseException:
             library._destroy()
             raise
         self._library = library
-        self._original_wait = work_type.wait
+        original = self._original_wait = work_type.wait
+        pending = self._pending
         tracer = self
 
         def wait(work, *args, **kwargs):
-            return tracer._wait(work, args, kwargs)
+            entry = pending.get(id(work))
+            if entry is None:  # not a handle of this cell's calls, or one finished already
+                return original(work, *args, **kwargs)
+            return tracer._wait(original, work, entry, args, kwargs)
 
         work_type.wait = wait
         self.active = True
@@ -175,32 +181,23 @@ class Tracer:
         # A library's call whose handle nobody waited on in Python (DDP's reducer and the
         # functional collectives wait in C++), if finished, is read now; one that is not (an
         # async result the cell never used) is left as never waited on, its results unknown;
-        # one whose handle cannot tell is left done with its results unknown.
-        unfinished = [
-            event
-            for work, event, _ in self._pending.values()
-            if event.status == RUNNING and event.made_by is not None and id(work) in self._futures
-        ]
-        # The backend completes a future on its own thread, a little after the library that
-        # waited for its result (DDP's reducer) went on: its callback (see _follow) says when.
-        with self._completions:
-            self._completions.wait_for(
-                lambda: all(event.status != RUNNING for event in unfinished), UNFINISHED_GRACE_SECONDS
-            )
-        for work, event, outputs in list(self._pending.values()):
+        # one whose handle cannot tell is left done with its results unknown. The backend
+        # completes a future on its own thread, a little after the library that waited for its
+        # result (DDP's reducer) went on: so it gets a moment to.
+        deadline = time.monotonic() + UNFINISHED_GRACE_SECONDS
+        while self._settle_library_calls() and time.monotonic() < deadline:
+            time.sleep(UNFINISHED_POLL_SECONDS)
+        for work, event, _ in self._pending.values():
             if event.status != RUNNING or event.made_by is None:
                 continue
-            future = self._futures.get(id(work))
-            if work.is_completed() or (future is not None and future.done()):
-                event.status, event.end = DONE, time.time()
-                self._finished_elsewhere.append((event, outputs))
-            elif future is not None:
+            if self._future(work) is not None:
                 event.status = WAITING
             else:  # no way to tell (gloo's reduce-scatter never says it completed): results unknown
                 event.status, event.end = DONE, time.time()
         for event, outputs in self._finished_elsewhere:
             if event.after is None and event.status == DONE:
                 event.after = self._tensors(outputs)
+        self.name_reduce_ops()
         # Let go of the cell's groups, handles and tensors: a group the user deletes must really
         # go (destroying and re-forming the default group on the same port relies on it).
         self._pending.clear()
@@ -208,63 +205,136 @@ class Tracer:
         self._finished_elsewhere.clear()
         self._groups.clear()
         self._known.clear()
+        self._sites.clear()
+
+    def _settle_library_calls(self) -> int:
+        """Mark the library calls finished since last asked as done; how many are not yet.
+        (Not a completion callback: that would run Python on the backend's thread, which then
+        waits for the GIL while the cell runs Python.)"""
+        unfinished = 0
+        for work, event, outputs in list(self._pending.values()):
+            if event.status != RUNNING or event.made_by is None:
+                continue
+            future = self._future(work)
+            if future is None:
+                continue
+            if work.is_completed() or future.done():
+                event.status, event.end = DONE, time.time()
+                self._finished_elsewhere.append((event, outputs))
+            else:
+                unfinished += 1
+        return unfinished
+
+    def _future(self, work):
+        """The handle's future; None if its backend has none (gloo's send, recv, reduce-scatter)."""
+        if id(work) not in self._futures:
+            try:
+                self._futures[id(work)] = work.get_future()
+            except RuntimeError:  # "not implemented"
+                self._futures[id(work)] = None
+        return self._futures[id(work)]
+
+    def events_with_in_flight(self) -> list[TraceEvent]:
+        """The events so far and, if a thread is inside a call (blocked in the backend:
+        a first NCCL call creating its communicator, monitored_barrier), that call's."""
+        self._settle_library_calls()
+        events = list(self.events)
+        in_flight = self._in_flight
+        if in_flight is None:
+            return events
+        spec, args, started, before, thread = in_flight
+        frame = sys._current_frames().get(thread)
+        while frame is not None and frame.f_code.co_name != "traced":  # our kernel's frame
+            frame = frame.f_back
+        if frame is not None and frame.f_back is not None:
+            try:
+                events.append(self._event(spec, args, started, before, frame.f_back, in_flight=True))
+            except Exception as error:  # a report without it rather than none
+                _say_recording_failed(error)
+        return events
+
+    def name_reduce_ops(self) -> None:
+        """Name the reduce ops of the calls recorded so far (also from another thread)."""
+        unnamed = self._unnamed_reduce_ops
+        while unnamed:
+            event, reduce_op = unnamed.pop()
+            event.reduce_op = _reduce_op_name(self._dist, reduce_op)
 
     # ---------------------------------------------------------------- recording
     def _kernel(self, name: str, spec: C10dOp):
         torch = self._torch
         op = getattr(torch.ops.c10d, name).default
         below = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.BackendSelect)
-        unbox = self._dist.ProcessGroup.unbox
-        include_set = torch._C._dispatch_tls_local_include_set
-        exclude_set = torch._C._dispatch_tls_local_exclude_set
-        tensor_type = torch.Tensor
         work_type = self._dist.distributed_c10d.Work
+        script_object = torch.ScriptObject
 
-        def traced(*args, **kwargs):
-            # What the dispatcher would have done next: the call's keys below this one.
-            tensor_keys = torch._C._dispatch_keys(_first_tensor(args, tensor_type))
-            keys = (tensor_keys | include_set()) - exclude_set() & below
+        def traced(keyset, *args, **kwargs):
+            keys = keyset & below  # what the dispatcher would have done next
+            # Only what the call may change is read before it; the rest is recorded once the
+            # backend has the call, while it communicates (measured: that time is hidden).
+            started = time.time()
             try:
-                event, outputs = self._record(spec, args, unbox(args[spec.group]))
+                before = self._tensors(args[spec.inputs]) if spec.inputs is not None else ()
             except Exception as error:  # a bug of ours must not change what the cell does
                 return _recording_failed(error, op, keys, args, kwargs)
+            self._in_flight = (spec, args, started, before, threading.get_ident())  # for a hang report
             try:
                 result = op.redispatch(keys, *args, **kwargs)
             except BaseException as error:
-                self._fail(event, error)
+                self._in_flight = None
+                try:
+                    self._fail(self._record(spec, args, started, before)[0], error)
+                except Exception as recording_error:  # the cell gets its own error either way
+                    _say_recording_failed(recording_error)
                 raise
-            handle = result[-1] if isinstance(result, tuple) and result else result
-            work = _work_of(work_type, handle) if isinstance(handle, torch.ScriptObject) else None
-            if work is not None:
-                self._follow(work, event, outputs)
-            else:  # over already: monitored_barrier, or a backend that waited in C++ (NCCL)
-                self._complete(event, outputs)
+            self._in_flight = None
+            try:
+                event, outputs = self._record(spec, args, started, before)
+                handle = result[-1] if isinstance(result, tuple) and result else result
+                work = _work_of(work_type, handle) if isinstance(handle, script_object) else None
+                if work is not None:
+                    self._follow(work, event, outputs)
+                else:  # over already: monitored_barrier, or a backend that waited in C++ (NCCL)
+                    self._complete(event, outputs)
+            except Exception as error:
+                _say_recording_failed(error)
             return result
 
         return traced
 
-    def _record(self, spec: C10dOp, args: tuple, group_object) -> tuple[TraceEvent, tuple]:
-        frames = _frames_of_the_cell(self._main_thread)
-        api = _api_call(frames)
+    def _record(self, spec: C10dOp, args: tuple, started: float, before: tuple) -> tuple[TraceEvent, tuple]:
+        """The call as an event, added to the cell's (made on the thread that made the call)."""
+        event = self._event(spec, args, started, before, sys._getframe(2))  # _record <- traced <- caller
+        self._calls = event.seq
+        self.events.append(event)
+        return event, (args[spec.outputs] if spec.outputs is not None else ())
+
+    def _event(
+        self, spec: C10dOp, args: tuple, started: float, before: tuple, caller, in_flight: bool = False
+    ) -> TraceEvent:
+        """The event of a call. ``in_flight``: one still inside the backend, seen from another
+        thread (a hang report's), to be made again on the calling thread when it returns."""
+        frames, site = self._call_site(caller)
+        api = site.api
         if api is not None and API_OPS.get(api, api) != spec.op:
             api = None  # not the op this function makes: some other path to it
         op = api or spec.op
-        group = self._group(group_object)
+        group = self._group(self._dist.ProcessGroup.unbox(args[spec.group]))
         inputs = args[spec.inputs] if spec.inputs is not None else ()
-        made_by = self._maker(frames, spec)
+        made_by = self._maker(site, spec, count=not in_flight)
         if made_by is not None and spec.op == "irecv":
-            inputs = ()  # a library's receive buffer, made for it: what it held says nothing
+            before = ()  # a library's receive buffer, made for it: what it held says nothing
         event = TraceEvent(
             self.rank,
-            next(self._seq),
+            self._calls + 1,
             op,
             group[1],
             group[2],
             tag=args[spec.tag] if spec.tag is not None else 0,
-            before=self._tensors(inputs),
-            line=_cell_line(frames),
+            before=before,
+            line=site.line(frames),
             made_by=made_by,
-            start=time.time(),
+            start=started,
         )
         if api is not None and spec.async_op is not None:
             # The dispatcher leaves out trailing arguments equal to their default (True here).
@@ -275,71 +345,60 @@ class Tracer:
             event.peer = group[1][args[spec.peer]]
         if spec.root is not None:
             event.root = group[1][args[spec.root]]
-        if spec.reduce_op is not None:
+        if spec.reduce_op is not None and in_flight:
             event.reduce_op = _reduce_op_name(self._dist, args[spec.reduce_op])
+        elif spec.reduce_op is not None:  # named later: reading a ReduceOp costs more than this call
+            self._unnamed_reduce_ops.append((event, args[spec.reduce_op]))
         tensor_type = self._torch.Tensor
         first = _first_tensor(inputs, tensor_type)
         if spec.op in ("reduce_scatter", "reduce_scatter_tensor") or first is None:
             first = _first_tensor(args[spec.outputs], tensor_type) if spec.outputs is not None else None
         if first is not None and OPS[op].primary:
             event.primary = self._known_info(first)[1]
-        self.events.append(event)
-        return event, (args[spec.outputs] if spec.outputs is not None else ())
+        return event
 
-    def _maker(self, frames: list, spec: C10dOp) -> str | None:
-        """Who made the call, if not the cell through torch.distributed's functions."""
-        maker = None
-        for frame in frames:  # innermost first: the outermost library found wins
-            _, library, helper = _role(frame.f_code, frame.f_globals)
-            if library is not None:
-                maker = library
-            elif helper is not None and helper != _ENGINE_CALL and maker is None:
-                maker = helper  # broadcast_object_list, new_group, ...
-        from_engine = frames and _role(frames[0].f_code, frames[0].f_globals)[2] == _ENGINE_CALL
-        if maker is None and from_engine and spec.op == "all_reduce":
+    def _call_site(self, caller) -> tuple[list, CallSite]:
+        """The frames from ``caller`` to the cell's, and what they say about the call: the same
+        for every call made along the same code path, so worked out once per path and cell."""
+        frames, in_cell = _frames_of_the_cell(caller, self._main_thread)
+        key = (in_cell, *[id(frame.f_code) for frame in frames])
+        known = self._sites.get(key)
+        if known is None:
+            # The code objects are kept with the entry so that their ids are not reused.
+            known = self._sites[key] = ([frame.f_code for frame in frames], _call_site(frames, in_cell))
+        return frames, known[1]
+
+    def _maker(self, site: CallSite, spec: C10dOp, count: bool = True) -> str | None:
+        """Who made the call, if not the cell through torch.distributed's functions. ``count``:
+        a DDP bucket's call is counted as its backward pass's next one."""
+        if site.maker is None and site.from_engine and spec.op == "all_reduce":
             # No Python between the autograd engine and the call: DDP's reducer, which reduces
             # its buckets in order, one all_reduce each, in every backward pass. (torch has no
             # public name for "this backward pass".)
             graph_task = self._torch._C._current_graph_task_id()
             bucket = self._buckets.get(graph_task, 0)
-            self._buckets[graph_task] = bucket + 1
-            maker = f"DDP bucket {bucket}"
-        return maker
+            if count:
+                self._buckets[graph_task] = bucket + 1
+            return f"DDP bucket {bucket}"
+        return site.maker
 
     def _follow(self, work, event: TraceEvent, outputs) -> None:
         """Keep the call's handle: its wait (or, for a library's call, its future) ends it."""
         self._pending[id(work)] = (work, event, outputs)
         if event.async_op and event.made_by is None:
             event.status = WAITING
-        if event.made_by is None:
-            return
-        try:
-            future = self._futures[id(work)] = work.get_future()
-        except RuntimeError:  # "not implemented" (gloo's send, recv and reduce-scatter)
-            return
 
-        def finished(_future) -> None:  # on the backend's thread: the values are read later
-            with self._completions:
-                if event.status == RUNNING:
-                    event.status, event.end = DONE, time.time()
-                    self._finished_elsewhere.append((event, outputs))
-                self._completions.notify_all()
-
-        future.add_done_callback(finished)
-
-    def _wait(self, work, args: tuple, kwargs: dict):
-        original = self._original_wait or self._dist.distributed_c10d.Work.wait
-        pending = self._pending.get(id(work))
-        if pending is None or not self.active:
-            return original(work, *args, **kwargs)
+    def _wait(self, original, work, pending: tuple, args: tuple, kwargs: dict):
         _, event, outputs = pending
         caller = sys._getframe(2)  # _wait <- wait <- the caller
         by_the_cell = not caller.f_globals.get("__name__", "").startswith("torch.")
         wait_event = None
         if by_the_cell and event.async_op:
+            frames, site = self._call_site(caller)
+            self._calls += 1
             wait_event = TraceEvent(
                 self.rank,
-                next(self._seq),
+                self._calls,
                 WAIT,
                 event.group,
                 event.group_name,
@@ -348,7 +407,7 @@ class Tracer:
                 tag=event.tag,
                 waits_for=event.seq,
                 waited_op=event.op,
-                line=_cell_line(_frames_of_the_cell(self._main_thread)),
+                line=site.line(frames),
                 start=time.time(),
             )
             self.events.append(wait_event)
@@ -368,7 +427,8 @@ class Tracer:
         return result
 
     def _complete(self, event: TraceEvent, outputs) -> None:
-        if OPS[event.op].in_place and event.before and all(info.values is None for info in event.before):
+        before = event.before
+        if before and OPS[event.op].in_place and not any(info.values for info in before):
             event.after = event.before  # same tensors, too large to keep values: nothing new
         else:
             event.after = self._tensors(outputs)
@@ -391,8 +451,11 @@ class Tracer:
         return entry
 
     def _tensors(self, value) -> tuple[TensorInfo, ...]:
-        if isinstance(value, self._torch.Tensor):
+        tensor_type = self._torch.Tensor
+        if isinstance(value, tensor_type):
             return (self._info(value),)
+        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], tensor_type):
+            return (self._info(value[0]),)  # the usual case, made short
         if isinstance(value, (list, tuple)):
             return tuple(info for item in value for info in self._tensors(item))
         return ()
@@ -442,49 +505,60 @@ def _first_tensor(value, tensor_type):
 
 def _recording_failed(error: Exception, op, keys, args, kwargs):
     """The call made as if untraced, after saying on the rank's stderr what failed."""
-    print(f"ddp_magics: tracing could not record a call ({type(error).__name__}: {error})", file=sys.stderr)
+    _say_recording_failed(error)
     return op.redispatch(keys, *args, **kwargs)
 
 
-def _frames_of_the_cell(main_thread: threading.Thread) -> list:
-    """The Python frames from the caller of a traced op up to the cell's own frame, innermost
-    first. On a thread without the cell (the autograd engine's, for CUDA tensors), the frames
-    of the main thread, which waits in the cell's ``backward()``."""
+def _say_recording_failed(error: Exception) -> None:
+    print(f"ddp_magics: tracing could not record a call ({type(error).__name__}: {error})", file=sys.stderr)
+
+
+def _frames_of_the_cell(frame, main_thread: threading.Thread) -> tuple[list, bool]:
+    """The Python frames from ``frame`` (the caller of a traced op) up to the cell's own frame,
+    innermost first, and whether the cell's frame was found. On a thread without the cell (the
+    autograd engine's, for CUDA tensors), the frames of the main thread, which waits in the
+    cell's ``backward()``."""
     frames = []
-    frame = sys._getframe(1).f_back.f_back  # _record (or _wait) <- traced (or wait) <- the caller
     while frame is not None:
         frames.append(frame)
         back = frame.f_back
         if back is not None and back.f_code.co_name == "run_code":
-            return frames
+            return frames, True
         frame = back
     if threading.current_thread() is not main_thread:
         main = sys._current_frames().get(main_thread.ident)
         if main is not None:
-            frames = []
-            while main is not None:
-                frames.append(main)
-                if main.f_back is not None and main.f_back.f_code.co_name == "run_code":
-                    return frames
-                main = main.f_back
-    return frames
+            return _frames_of_the_cell(main, main_thread)
+    return frames, False
 
 
-def _cell_line(frames: list) -> int | None:
-    """The line of the running cell that led to the call (in the cell, or a function it defines)."""
-    if not frames or frames[-1].f_back is None or frames[-1].f_back.f_code.co_name != "run_code":
-        return None
-    cell_file = frames[-1].f_code.co_filename
-    return next(frame.f_lineno for frame in frames if frame.f_code.co_filename == cell_file)
+class CallSite(NamedTuple):
+    """What the frames of a call say about it."""
+
+    api: str | None  # the torch.distributed function it went through (the outermost one)
+    maker: str | None  # the library (the outermost one) or torch.distributed helper that made it
+    from_engine: bool  # called from the autograd engine with no Python in between
+    cell_frame: int | None  # which frame holds the cell's line (in the cell or a function it defines)
+
+    def line(self, frames: list) -> int | None:
+        """The line of the running cell that led to the call."""
+        return frames[self.cell_frame].f_lineno if self.cell_frame is not None else None
 
 
-def _api_call(frames: list) -> str | None:
-    """The torch.distributed function the call was made through (the outermost one: the
-    deprecated ``all_gather_into_tensor`` forwards to ``all_gather_single``), if any."""
-    name = None
-    for frame in frames:
-        name = _role(frame.f_code, frame.f_globals)[0] or name
-    return name
+def _call_site(frames: list, in_cell: bool) -> CallSite:
+    api = maker = None
+    roles = [_role(frame.f_code, frame.f_globals) for frame in frames]
+    for name, library, helper in roles:  # innermost first: the outermost found wins
+        api = name or api  # the deprecated all_gather_into_tensor forwards to all_gather_single
+        if library is not None:
+            maker = library
+        elif helper is not None and helper != _ENGINE_CALL and maker is None:
+            maker = helper  # broadcast_object_list, new_group, ...
+    cell_frame = None
+    if in_cell:
+        cell_file = frames[-1].f_code.co_filename
+        cell_frame = next(i for i, frame in enumerate(frames) if frame.f_code.co_filename == cell_file)
+    return CallSite(api, maker, bool(roles) and roles[0][2] == _ENGINE_CALL, cell_frame)
 
 
 _ENGINE_CALL = "autograd engine"
@@ -566,4 +640,7 @@ def _stop_trace() -> None:
 def events_so_far() -> list[TraceEvent] | None:
     """The calls the running cell made so far, if it is traced (read from another thread)."""
     tracer = _tracer
-    return list(tracer.events) if tracer is not None and tracer.active else None
+    if tracer is None or not tracer.active:
+        return None
+    tracer.name_reduce_ops()
+    return tracer.events_with_in_flight()
