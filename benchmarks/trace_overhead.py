@@ -39,6 +39,7 @@ TARGET_RATIO = 1.05
 DDP_TARGET_RATIO = 1.10
 DDP_STEPS = 20
 SETUP = f"""\
+torch.set_num_threads(1)
 big = torch.ones({ELEMENTS}, device=device)
 import time
 import torch.nn as nn
