@@ -246,7 +246,7 @@ class Tracer:
         frame = sys._current_frames().get(thread)
         while frame is not None and frame.f_code.co_name != "traced":  # our kernel's frame
             frame = frame.f_back
-        if frame is not None and frame.f_back is not None:
+        if frame is not None:  # its caller: none on a thread with no Python (the autograd engine's)
             try:
                 events.append(self._event(spec, args, started, before, frame.f_back, in_flight=True))
             except Exception as error:  # a report without it rather than none
@@ -304,7 +304,8 @@ class Tracer:
 
     def _record(self, spec: C10dOp, args: tuple, started: float, before: tuple) -> tuple[TraceEvent, tuple]:
         """The call as an event, added to the cell's (made on the thread that made the call)."""
-        event = self._event(spec, args, started, before, sys._getframe(2))  # _record <- traced <- caller
+        # _record <- traced <- its caller: none on a thread with no Python (the autograd engine's).
+        event = self._event(spec, args, started, before, sys._getframe(1).f_back)
         self._calls = event.seq
         self.events.append(event)
         return event, (args[spec.outputs] if spec.outputs is not None else ())
