@@ -130,23 +130,34 @@ def machine_boot_id() -> str:
 def start_ticks(pid: int) -> int:
     """Clock ticks from boot to the start of process ``pid`` (/proc/PID/stat, field 22);
     ProcessLookupError if there is no such process."""
+    return int(_stat_fields(pid)[22 - 3])
+
+
+def _stat_fields(pid: int) -> list[bytes]:
+    """The fields of /proc/PID/stat after the command name (field 3, the state, first)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_bytes()
     except FileNotFoundError:
         raise ProcessLookupError(pid) from None
     # Field 2, the command name in parentheses, may itself hold spaces and parentheses.
-    fields_after_name = stat[stat.rindex(b")") + 2 :].split()
-    return int(fields_after_name[22 - 3])
+    return stat[stat.rindex(b")") + 2 :].split()
+
+
+_HAS_PROC = Path("/proc/self/stat").exists()
 
 
 def process_alive(pid: int, started_at_ticks: int | None = None) -> bool:
-    """Whether ``pid`` runs (not a zombie) and, if given, started at ``started_at_ticks``."""
+    """Whether ``pid`` runs (not a zombie) and, if given, started at ``started_at_ticks``.
+    Asked for every rank before every cell: one read of /proc where there is one."""
     try:
-        if started_at_ticks is not None and start_ticks(pid) != started_at_ticks:
-            return False  # the PID was reused by another process
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        if not _HAS_PROC:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        fields = _stat_fields(pid)
     except (ProcessLookupError, psutil.NoSuchProcess):
         return False
+    if started_at_ticks is not None and int(fields[22 - 3]) != started_at_ticks:
+        return False  # the PID was reused by another process
+    return fields[0] != b"Z"
 
 
 class Lifeline:
