@@ -35,9 +35,17 @@ from ddp_magics import protocol
 from ddp_magics.engine import debugging, recorder
 from ddp_magics.engine import rank as rank_code
 from ddp_magics.engine.zygote import ENDED_PREFIX
-from ddp_magics.launcher import StoppedFirstSSHEngineSetLauncher, Zygote, ZygoteEngineSetLauncher, ZygoteError
+from ddp_magics.launcher import (
+    HostZygote,
+    HostZygoteEngineSetLauncher,
+    Zygote,
+    ZygoteEngineSetLauncher,
+    ZygoteError,
+)
 from ddp_magics.lifetime import (
+    CLUSTER_DIR_ENV,
     LIFELINE_ENV,
+    OWNER_ENV,
     Lifeline,
     Owner,
     cluster_processes,
@@ -277,6 +285,7 @@ class RankCluster:
         self._host_workdirs: dict[str, str] = {}  # on each host of --hosts: its engines' directory
         self._cluster: ipp.Cluster | None = None
         self._zygote: Zygote | None = None
+        self._host_zygotes: dict[str, HostZygote] = {}  # --hosts: each host's, by its location
         self._client: ipp.Client | None = None
         self._views: dict[tuple[int, ...], ipp.DirectView] = {}
 
@@ -321,6 +330,8 @@ class RankCluster:
         config = self._launcher_config(environment)
         if forked:  # its import of torch runs while the controller starts
             self._zygote = Zygote(self.workdir, environment)
+        elif self.engine_launcher == "ssh":  # one zygote per host, each over one ssh session
+            self._start_host_zygotes(environment)
         self._cluster = ipp.Cluster(
             n=self.n,
             profile_dir=str(profile_dir),
@@ -337,11 +348,36 @@ class RankCluster:
             log=CLUSTER_LOG,
             config=config,
         )
-        progress("starting the controller" + (" while torch is imported, once" if forked else ""))
+        importing = " while torch is imported, once" + (" per host" if self._host_zygotes else "")
+        progress("starting the controller" + (importing if forked or self._host_zygotes else ""))
         self._cluster.start_controller_sync()
         if forked:
             self._wait_for_zygote()
+        for location, zygote in self._host_zygotes.items():
+            try:
+                zygote.wait_ready(self.engine_timeout)
+            except ZygoteError as error:
+                raise ClusterError(f"cannot start engines on {location}: {error}") from None
         self._launch_engines(progress)
+
+    def _start_host_zygotes(self, environment: dict[str, str]) -> None:
+        """Start the zygote of every host (see :class:`~ddp_magics.launcher.HostZygote`)."""
+        for index, host in enumerate(self.hosts):
+            workdir = self._host_workdirs[host.location]
+            self._host_zygotes[host.location] = HostZygote(
+                self.ssh_command,
+                host.ssh_target,
+                self.remote_python,
+                workdir,
+                self.workdir / f"host-{index}.sock",
+                {
+                    OWNER_ENV: environment[OWNER_ENV],
+                    LIFELINE_ENV: environment[LIFELINE_ENV],
+                    CLUSTER_DIR_ENV: workdir,
+                    "IPYTHONDIR": f"{workdir}/ipython",
+                },
+                self.workdir / f"zygote-host-{index}.log",
+            )
 
     def _wait_for_zygote(self) -> None:
         try:
@@ -351,7 +387,7 @@ class RankCluster:
 
     def _engine_set_launcher(self):
         """ipyparallel's engine set launcher: a class, or ipyparallel's name for one."""
-        return {"local": ZygoteEngineSetLauncher, "ssh": StoppedFirstSSHEngineSetLauncher}.get(
+        return {"local": ZygoteEngineSetLauncher, "ssh": HostZygoteEngineSetLauncher}.get(
             self.engine_launcher, self.engine_launcher
         )
 
@@ -373,8 +409,11 @@ class RankCluster:
             config.SSHLauncher.ssh_cmd = self.ssh_command
             config.SSHLauncher.remote_python = self.remote_python
             config.SSHEngineLauncher.to_send = []
-            config.StoppedFirstSSHEngineLauncher.host_workdirs = {
+            config.HostZygoteEngineLauncher.host_workdirs = {
                 host.name: self._host_workdirs[host.location] for host in self.hosts
+            }
+            config.HostZygoteEngineLauncher.host_sockets = {
+                host.name: str(self.workdir / f"host-{index}.sock") for index, host in enumerate(self.hosts)
             }
         elif self.engine_launcher == "mpi":
             config.MPILauncher.mpi_cmd = self.mpi_command
@@ -416,10 +455,14 @@ class RankCluster:
         gpus = self._on_every_host(self._prepare_host)
         return dict(zip([host.location for host in self.hosts], gpus))
 
-    def _on_every_host(self, action: Callable[[HostSpec], object]) -> list:
-        """``action(host)`` for every host of the list at once (each is mostly an ssh call)."""
-        with ThreadPoolExecutor(len(self.hosts)) as pool:
-            return list(pool.map(action, self.hosts))
+    def _on_every_host(self, action: Callable[[HostSpec], object], hosts: list | None = None) -> list:
+        """``action(host)`` for every host of the list (or of ``hosts``) at once (each is mostly
+        an ssh call)."""
+        hosts = self.hosts if hosts is None else hosts
+        if not hosts:
+            return []
+        with ThreadPoolExecutor(len(hosts)) as pool:
+            return list(pool.map(action, hosts))
 
     def _ssh(self, host: HostSpec, command: str) -> subprocess.CompletedProcess:
         """Run a shell ``command`` on ``host`` with the user's ssh, never asking for a password."""
@@ -490,9 +533,10 @@ class RankCluster:
 
     @property
     def restartable_in_place(self) -> bool:
-        """Whether :meth:`restart` can replace the engines alone (for local engines: while their
-        zygote lives)."""
-        return self.running and (self._zygote is None or self._zygote.alive())
+        """Whether :meth:`restart` can replace the engines alone (while their zygotes live: the
+        local one, or each host's)."""
+        zygotes = [zygote for zygote in (self._zygote, *self._host_zygotes.values()) if zygote is not None]
+        return self.running and all(zygote.alive() for zygote in zygotes)
 
     def restart(self, progress: Progress | None = None) -> None:
         """Kill the engines (a rank stuck in gloo included) and start new ones that form a new
@@ -793,11 +837,18 @@ class RankCluster:
                 zygote.stop()
             _wait_for_exit(processes)
         finally:
+            # Each zygote still running removes its host's directory as it ends.
+            host_zygotes = {location: z for location, z in self._host_zygotes.items() if z.alive()}
+            for zygote in self._host_zygotes.values():
+                zygote.close()  # all at once: each then ends in its own time
+            for zygote in self._host_zygotes.values():
+                zygote.stop()
+            self._host_zygotes = {}
             if self._lifeline is not None:
                 self._lifeline.close()
                 self._lifeline = None
             if self._host_workdirs:
-                self._remove_remote_files()
+                self._remove_remote_files([h for h in self.hosts if h.location not in host_zygotes])
                 self._host_workdirs = {}
             if client is not None:
                 client.close()
@@ -807,9 +858,9 @@ class RankCluster:
             self.ranks = []
             self._views = {}
 
-    def _remove_remote_files(self) -> None:
-        """The engines' directories (profile, logs) on every host, removed with one ssh call per
-        host at once."""
+    def _remove_remote_files(self, hosts: list[HostSpec]) -> None:
+        """The engines' directories (profile, logs) on ``hosts`` (those whose zygote did not
+        start), removed with one ssh call per host at once."""
 
         def remove(host: HostSpec) -> None:
             workdir = self._host_workdirs.get(host.location)
@@ -820,7 +871,7 @@ class RankCluster:
             except (subprocess.SubprocessError, OSError) as error:
                 CLUSTER_LOG.error("could not remove %s on %s: %s", workdir, host.location, error)
 
-        self._on_every_host(remove)
+        self._on_every_host(remove, hosts)
 
     def processes(self) -> list[psutil.Process]:
         """Controller, engines and their helper processes (nannies, schedulers) now running."""

@@ -6,19 +6,21 @@ Part of the cluster layer: only :mod:`ddp_magics.cluster` uses it.
   starts and stops the zygote process; :class:`ZygoteEngineSetLauncher` is an ipyparallel engine
   launcher (``ipyparallel.Cluster(engines=ZygoteEngineSetLauncher)``), so ipyparallel still owns
   the controller, engine ids, signals and stop, and only how an engine process comes to be differs.
-- Engines on other hosts over ssh: :class:`StoppedFirstSSHEngineSetLauncher`, ipyparallel's SSH
-  launcher with a stop that fits engines already killed through their nannies.
+- Engines on other hosts over ssh: :class:`HostZygote`, one zygote per host started by one ssh
+  session that forwards its socket, and :class:`HostZygoteEngineSetLauncher`, ipyparallel's SSH
+  engine set whose engines that zygote forks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
+import shlex
 import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -31,8 +33,8 @@ from ipyparallel.cluster.launcher import (
 )
 from traitlets import Dict
 
-from ddp_magics.engine.zygote import READY
-from ddp_magics.engine.zygote_client import SOCKET_NAME, fork_engine
+from ddp_magics.engine.zygote import READY, STOP
+from ddp_magics.engine.zygote_client import SOCKET_NAME, fork_engine, signal_process
 from ddp_magics.lifetime import CLUSTER_DIR_ENV
 
 ZYGOTE_LOG = "zygote.log"
@@ -56,7 +58,33 @@ class ZygoteError(RuntimeError):
     """The zygote did not start (its log says why)."""
 
 
-class Zygote:
+class _ZygoteProcess:
+    """A zygote process seen from the notebook: it says ``ready`` on its standard output."""
+
+    process: subprocess.Popen
+    log_path: Path
+
+    def wait_ready(self, timeout: float) -> None:
+        """Wait until the zygote has imported everything and listens."""
+        readable, _, _ = select.select([self.process.stdout], [], [], timeout)
+        line = self.process.stdout.readline().decode().strip() if readable else ""
+        if line != READY:
+            self.stop()
+            reason = "did not get ready" if not readable else "exited"
+            raise ZygoteError(f"the engines' zygote {reason}: {self._log_tail()}")
+
+    def _log_tail(self, lines: int = 5) -> str:
+        text = self.log_path.read_text(errors="replace").strip().splitlines()
+        return " | ".join(text[-lines:]) or "(nothing in its log)"
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, grace: float = 0.5) -> None:
+        raise NotImplementedError
+
+
+class Zygote(_ZygoteProcess):
     """The zygote process of one cluster, started at once so its imports overlap the
     controller's start-up."""
 
@@ -74,19 +102,6 @@ class Zygote:
                 start_new_session=True,  # the notebook's Ctrl-C is not the zygote's
             )
 
-    def wait_ready(self, timeout: float) -> None:
-        """Wait until the zygote has imported everything and listens."""
-        readable, _, _ = select.select([self.process.stdout], [], [], timeout)
-        line = self.process.stdout.readline().decode().strip() if readable else ""
-        if line != READY:
-            self.stop()
-            reason = "did not get ready" if not readable else "exited"
-            raise ZygoteError(f"the engines' zygote {reason}: {self._log_tail()}")
-
-    def _log_tail(self, lines: int = 5) -> str:
-        text = self.log_path.read_text(errors="replace").strip().splitlines()
-        return " | ".join(text[-lines:]) or "(nothing in its log)"
-
     def stop(self, grace: float = 0.5) -> None:
         """End the zygote (its engines are stopped before, through ipyparallel)."""
         if self.process.poll() is None:
@@ -98,9 +113,6 @@ class Zygote:
                 self.process.wait()
         self.process.stdout.close()
         (self.cluster_dir / SOCKET_NAME).unlink(missing_ok=True)
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
 
     def environment_changed(self) -> bool:
         """Whether the notebook's settings for torch differ from those the zygote imported it with."""
@@ -140,54 +152,113 @@ class ZygoteEngineSetLauncher(LocalEngineSetLauncher):
 
 
 
-class StoppedFirstSSHEngineLauncher(SSHEngineLauncher):
-    """ipyparallel's SSH engine launcher, started alongside the others of its set (see below), for
-    engines that ddp_magics stops first (SIGKILL through their nannies, see ``cluster.stop``).
-    Stopping one then takes one ssh call that finds it gone, instead of a TERM to a PID that no
-    longer exists (whose remote traceback would reach the notebook's log), a wait and a copy of
-    its log back over scp.
+class HostZygote(_ZygoteProcess):
+    """The zygote of one of the cluster's other hosts (``python -m ddp_magics.engine.zygote
+    --host``), started by one ssh session that also forwards a socket of this machine to the
+    zygote's: every engine of that host is then forked through it, with no other ssh call and
+    no new import of torch, at start, restart and replacement alike. :meth:`close` stops the
+    zygote, which kills what it forked and removes the host's directory for the cluster."""
 
-    Each engine keeps its profile, logs and IPython directory in its host's private directory
-    for the cluster (``host_workdirs``, made by :mod:`ddp_magics.engine.host`), not at the path
-    of the kernel's directory, which on another host nobody has checked."""
+    def __init__(
+        self,
+        ssh_command: list[str],
+        target: list[str],
+        python: str,
+        host_workdir: str,
+        local_socket: Path,
+        environment: dict[str, str],
+        log_path: Path,
+    ) -> None:
+        self.local_socket, self.log_path = local_socket, log_path
+        variables = " ".join(f"{name}={shlex.quote(value)}" for name, value in environment.items())
+        command = (
+            f"cd {shlex.quote(host_workdir)} && exec env {variables} "
+            f"{shlex.quote(python)} -m ddp_magics.engine.zygote --host"
+        )
+        forward = f"{local_socket}:{host_workdir}/{SOCKET_NAME}"
+        with open(log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [*ssh_command, "-T", "-o", "BatchMode=yes", "-o", "ExitOnForwardFailure=yes",
+                 "-L", forward, *target, command],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                start_new_session=True,  # the notebook's Ctrl-C is not the session's
+            )  # fmt: skip
 
+    def close(self) -> None:
+        """Tell the zygote to stop: it kills its engines, removes the host's directory and exits,
+        then the session ends (:meth:`stop` waits for that)."""
+        if not self.process.stdin.closed:
+            with contextlib.suppress(BrokenPipeError):  # the session has ended already
+                self.process.stdin.write(STOP.encode() + b"\n")
+                self.process.stdin.flush()
+            with contextlib.suppress(BrokenPipeError):
+                self.process.stdin.close()
+
+    def stop(self, grace: float = 3.0) -> None:
+        """End the session (see :meth:`close`) and wait for it to end."""
+        self.close()
+        if self.process.poll() is None:
+            try:
+                self.process.wait(timeout=grace)
+            except subprocess.TimeoutExpired:  # ssh's end still closes the session over there
+                self.process.kill()
+                self.process.wait()
+        self.process.stdout.close()
+        self.local_socket.unlink(missing_ok=True)
+
+
+class HostZygoteEngineLauncher(SSHEngineLauncher):
+    """One engine on another host, forked by that host's zygote through the socket its ssh
+    session forwards (see :class:`HostZygote`); signalled through the zygote too."""
+
+    host_sockets = Dict(config=True, help="host name -> this machine's socket forwarded to its zygote")
     host_workdirs = Dict(config=True, help="host name -> the cluster's directory on that host")
 
     def start(self, hostname=None, user=None, port=None) -> None:
         self.loop  # noqa: B018 (fixes the launcher's event loop to this thread's, as ipyparallel asks)
-        self._workdir = self.host_workdirs[hostname]
-        self.remote_profile_dir = f"{self._workdir}/profile"
-        self.remote_output_file = f"{self._workdir}/profile/log/ipengine-{time.time():.4f}.out"
-        self.starting = self.parent.starting_pool.submit(super().start, hostname, user, port)
+        self.hostname = hostname
+        self._socket = Path(self.host_sockets[hostname])
+        workdir = self.host_workdirs[hostname]
+        environment = {
+            **self.get_env(),
+            CLUSTER_DIR_ENV: workdir,
+            "IPYTHONDIR": f"{workdir}/ipython",
+            "IPP_PROFILE_DIR": f"{workdir}/profile",
+        }
+        name = self.identifier.replace("/", "-")
+        self.pid = fork_engine(
+            self._socket,
+            argv=self.cluster_args + self.engine_args,
+            env=environment,
+            cwd=workdir,
+            output=f"{workdir}/profile/log/ipengine-{name}-{time.time():.4f}.out",
+        )
+        self.notify_start({"host": self.location, "pid": self.pid})
+
+    def signal(self, sig) -> None:
+        if self.state == "running":
+            number = sig if isinstance(sig, int) else getattr(signal, f"SIG{sig}")
+            with contextlib.suppress(OSError, RuntimeError):  # the zygote, or its session, is gone
+                signal_process(self._socket, self.pid, number)
 
     async def stop(self) -> None:
-        try:
-            await self.join(timeout=0)
-        except TimeoutError:  # still running after all: ipyparallel's TERM, wait, KILL
-            await super().stop()
+        """Engines are killed through their nannies first (``cluster.stop``): this makes sure."""
+        self.signal(signal.SIGKILL)
+        self.notify_stop({"exit_code": None, "pid": self.pid, "identifier": self.identifier})
+
+    async def join(self, timeout=None) -> None:
+        return None
 
     def get_output(self, remove: bool = False) -> str:
         """The engine's log stays on its host, in the cluster's directory, which stop removes."""
         return ""
 
-    def get_env(self) -> dict:
-        return {
-            **super().get_env(),
-            CLUSTER_DIR_ENV: self._workdir,
-            "IPYTHONDIR": f"{self._workdir}/ipython",
-        }
 
+class HostZygoteEngineSetLauncher(SSHEngineSetLauncher):
+    """ipyparallel's SSH engine set (``engines = {host: n}``), each engine forked by its host's
+    zygote: no ssh call per engine (ipyparallel's SSH launcher makes four, one of them a remote
+    ``IPython profile create``, and polls each engine over ssh while it runs)."""
 
-class StoppedFirstSSHEngineSetLauncher(SSHEngineSetLauncher):
-    """ipyparallel's SSH engine set (``engines = {host: n}``) with its engines started at once
-    rather than one after another: each takes four ssh calls, one of them a remote
-    ``IPython profile create`` (about 3 s an engine over a fast link)."""
-
-    launcher_class = StoppedFirstSSHEngineLauncher
-
-    def start(self, n: int) -> list:
-        with ThreadPoolExecutor(max_workers=max(n, 1)) as self.starting_pool:
-            started = super().start(n)
-        for launcher in self.launchers.values():
-            launcher.starting.result()  # the first engine that could not start raises here
-        return started
+    launcher_class = HostZygoteEngineLauncher

@@ -302,9 +302,10 @@ def _watch_in_thread(wait: Callable[[], None], owner: Owner, cluster_dir: Path |
     threading.Thread(target=watch, name="ddp-magics-owner-watch", daemon=True).start()
 
 
-def _lifeline_waiter(lifeline: str) -> Callable[[], None]:
-    """Connect to the owner's :class:`Lifeline` now; the returned function blocks until that
-    connection ends. If it cannot connect, this process cannot watch the owner: say so."""
+def lifeline_connection(lifeline: str) -> socket.socket | None:
+    """A connection to the owner's :class:`Lifeline` (``LIFELINE_ENV``'s value); it ends (reads
+    b"" or fails) as the owner or its host goes. None, said on stderr, if it cannot be made:
+    then this process cannot watch the owner."""
     endpoint, _, secret = lifeline.partition("/")
     address, _, port = endpoint.rpartition(":")
     try:
@@ -317,8 +318,17 @@ def _lifeline_waiter(lifeline: str) -> Callable[[], None]:
             "will not notice if the notebook's kernel ends",
             file=sys.stderr,
         )
-        return threading.Event().wait  # never set: nothing to watch
+        return None
     connection.settimeout(None)
+    return connection
+
+
+def _lifeline_waiter(lifeline: str) -> Callable[[], None]:
+    """Connect to the owner's :class:`Lifeline` now; the returned function blocks until that
+    connection ends."""
+    connection = lifeline_connection(lifeline)
+    if connection is None:
+        return threading.Event().wait  # never set: nothing to watch
 
     def wait() -> None:
         # Ends with the connection: closed (b"") or reset or timed out (OSError) as the owner's

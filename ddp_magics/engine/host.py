@@ -41,6 +41,7 @@ def prepare(name: str) -> dict:
     removed = remove_leftovers(root)
     workdir = root / f"{HOST_DIR_PREFIX}{name}"
     workdir.mkdir(mode=0o700)
+    (workdir / "profile" / "log").mkdir(parents=True)  # the engines' profile, where they log
     return {"workdir": str(workdir), "gpus": _gpu_count(), "removed": removed}
 
 

@@ -5,13 +5,23 @@ few cores take most of a cluster's start-up. The zygote imports it (with ipypara
 and ddp_magics' engine side) once, then forks each engine it is asked for, already imported:
 ``%dist_start`` pays one import, and ``%dist_restart`` none.
 
-    python -m ddp_magics.engine.zygote    # in the environment of lifetime.launch_environment()
+    python -m ddp_magics.engine.zygote         # in the environment of lifetime.launch_environment()
+    python -m ddp_magics.engine.zygote --host  # on another host, over ssh (see below)
 
 It prints ``ready`` when it listens on ``SOCKET_NAME`` in the cluster's directory. Each
 connection carries one request, a JSON line, and gets the forked PID back: an engine
 (ipengine's arguments, environment, working directory, output file), or an engine's nanny
 (ipyparallel's arguments for it, with the pipe it writes to and its log passed as file
-descriptors), which ipyparallel would otherwise start as a new Python process per engine.
+descriptors), which ipyparallel would otherwise start as a new Python process per engine; or a
+signal for a process it forked.
+
+With ``--host`` it is the zygote of one of a cluster's other hosts, started by one ssh session
+whose forwarded socket brings the launcher's requests (``launcher.HostZygote``): its directory
+is the host's for the cluster, it watches the owner through the lifeline, and an engine's
+environment is added to its own (the host's). Told ``stop`` on its standard input (the cluster
+stops), it kills what it forked, removes the directory and exits; should the session end
+without it (a link lost), it exits alone: its engines go on, with the lifeline and heartbeats
+of their own, and the next start on the host removes the directory once they are gone.
 No thread or zmq context exists here before a fork; the zygote reaps what it forked as it
 exits, and exits with its children when the cluster's owner ends (the owner's pidfd is in the
 same ``select`` as the socket). Its clients' side is :mod:`ddp_magics.engine.zygote_client`.
@@ -20,24 +30,31 @@ same ``select`` as the socket). Its clients' side is :mod:`ddp_magics.engine.zyg
 from __future__ import annotations
 
 import base64
+import contextlib
 import importlib
 import json
 import os
 import pickle
 import select
+import shutil
 import signal
 import socket
 import struct
 import sys
 from pathlib import Path
 
+import psutil
+
 from ddp_magics.engine.zygote_client import SOCKET_NAME, ZYGOTE_SOCKET_ENV
 from ddp_magics.lifetime import (
     CLUSTER_DIR_ENV,
+    LIFELINE_ENV,
     OWNER_ENV,
     POLL_SECONDS,
     Owner,
     exit_with_children,
+    kill_now,
+    lifeline_connection,
     record_process,
 )
 from ddp_magics.private_files import unix_address
@@ -45,6 +62,7 @@ from ddp_magics.private_files import unix_address
 # A line of the zygote's log for each process it forked that ended: this prefix, PID, how.
 ENDED_PREFIX = "ddp_magics zygote: ended: PID "
 READY = "ready"
+STOP = "stop"  # to a host's zygote (--host), on its standard input: the cluster stops
 # Imported once, here, instead of in every engine: torch, ipyparallel's engine and nanny, the
 # kernel parts an engine loads as it starts (the debugger alone is 0.1 s), ddp_magics' engine
 # side. None of them starts a thread or a zmq context on import.
@@ -67,26 +85,58 @@ REQUEST_SECONDS = 2.0
 
 
 # ----------------------------------------------------------------- in the zygote
+_forked: set[int] = set()  # what this zygote forked and has not reaped
+_wakeup_pipe: list[int] = []  # (read end, write end): a byte as a child ends
+
+
 def main() -> None:
+    on_host = sys.argv[1:] == ["--host"]
     cluster_dir = Path(os.environ[CLUSTER_DIR_ENV])
     owner = Owner.parse(os.environ[OWNER_ENV])
     record_process(cluster_dir, os.getpid())
+    lifeline = lifeline_connection(os.environ[LIFELINE_ENV]) if os.environ.get(LIFELINE_ENV) else None
     _import_what_engines_import()
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     with unix_address(cluster_dir / SOCKET_NAME) as address:
         listener.bind(address)  # the cluster's directory is private (0700)
     listener.listen()
-    signal.signal(signal.SIGCHLD, _reap_children)
-    owner_gone = owner.pidfd()
+    # A child's end wakes the loop, which reaps and logs it: a signal handler that wrote to the
+    # log itself would be re-entered by the next child's end, and die (``reentrant call``).
+    child_ended, wakeup = _wakeup_pipe[:] = os.pipe()
+    for fd in _wakeup_pipe:
+        os.set_blocking(fd, False)
+    signal.set_wakeup_fd(wakeup)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    owner_gone = owner.pidfd() if owner.on_this_machine else None
+    ended = [fd for fd in (owner_gone, lifeline) if fd is not None]  # readable as the owner goes
+    stopped = [sys.stdin] if on_host else []  # readable (at its end) as the cluster stops
     print(READY, flush=True)
     while True:
-        watched = [listener] if owner_gone is None else [listener, owner_gone]
-        readable, _, _ = select.select(watched, [], [], POLL_SECONDS if owner_gone is None else None)
-        if (owner_gone in readable) if owner_gone is not None else not owner.alive():
-            exit_with_children(owner)
+        polled = owner_gone is None and lifeline is None
+        watched = [listener, child_ended, *ended, *stopped]
+        readable, _, _ = select.select(watched, [], [], POLL_SECONDS if polled else None)
+        if child_ended in readable:
+            while len(os.read(child_ended, 1 << 12)) == 1 << 12:
+                pass
+            _reap_children()
+        if any(fd in readable for fd in ended) if not polled else not owner.alive():
+            exit_with_children(owner, cluster_dir if on_host else None)
+        if stopped and sys.stdin in readable:
+            said = os.read(sys.stdin.fileno(), 1 << 12)
+            if STOP.encode() in said:
+                _stop(cluster_dir)
+            if not said:  # the session was lost (the link?), not closed: its engines go on
+                os._exit(0)
         if listener in readable:
-            _serve_one(listener)
+            _serve_one(listener, merge_environment=on_host)
+
+
+def _stop(cluster_dir: Path) -> None:
+    """The cluster stops: kill what this zygote forked, remove the host's directory, exit."""
+    kill_now(psutil.Process().children(recursive=True))
+    shutil.rmtree(cluster_dir, ignore_errors=True)
+    os._exit(0)
 
 
 def _import_what_engines_import() -> None:
@@ -94,7 +144,7 @@ def _import_what_engines_import() -> None:
         importlib.import_module(name)
 
 
-def _serve_one(listener: socket.socket) -> None:
+def _serve_one(listener: socket.socket, merge_environment: bool = False) -> None:
     """Answer one connection; whatever a client does wrong costs that connection only."""
     try:
         connection, _ = listener.accept()
@@ -105,7 +155,7 @@ def _serve_one(listener: socket.socket) -> None:
         connection.settimeout(REQUEST_SECONDS)
         try:
             _check_peer(connection)
-            _answer(connection, listener)
+            _answer(connection, listener, merge_environment)
         except (OSError, ValueError, KeyError, TypeError) as error:
             print(f"ddp_magics zygote: refused a request: {error!r}", file=sys.stderr, flush=True)
 
@@ -119,10 +169,17 @@ def _check_peer(connection: socket.socket) -> None:
         raise PermissionError(f"PID {pid} of uid {uid} is not this cluster's user (uid {os.geteuid()})")
 
 
-def _answer(connection: socket.socket, listener: socket.socket) -> None:
+def _answer(connection: socket.socket, listener: socket.socket, merge_environment: bool) -> None:
     first, fds, _, _ = socket.recv_fds(connection, REQUEST_CHUNK, MAX_FDS)
     try:
         request = _read_request(connection, first)
+        if isinstance(request.get("signal"), list):
+            pid, number = (int(value) for value in request["signal"])
+            if pid in _forked:  # never a process this zygote did not fork
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, number)
+            connection.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+            return
         if not (isinstance(request.get("engine"), dict) or isinstance(request.get("nanny"), str)):
             raise ValueError(f"not a request for an engine or a nanny: {sorted(request)}")
         if "nanny" in request and len(fds) != MAX_FDS:
@@ -134,16 +191,20 @@ def _answer(connection: socket.socket, listener: socket.socket) -> None:
     pid = os.fork()
     if pid == 0:
         try:
+            signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            for fd in _wakeup_pipe:
+                os.close(fd)
             os.setsid()  # like ipyparallel's launchers: the notebook's signals are not its own
             listener.close()
             connection.close()
             if "engine" in request:
-                _become_engine(request["engine"])
+                _become_engine(request["engine"], merge_environment)
             else:
                 _become_nanny(request["nanny"], *fds)
         finally:
             os._exit(1)  # a fork never returns into the zygote's loop
+    _forked.add(pid)
     for fd in fds:
         os.close(fd)
     connection.sendall(json.dumps({"pid": pid}).encode() + b"\n")
@@ -175,13 +236,14 @@ def _become_nanny(arguments: str, pipe_fd: int, log_fd: int) -> None:
     os._exit(0)
 
 
-def _become_engine(request: dict) -> None:
+def _become_engine(request: dict, merge_environment: bool) -> None:
     output = os.open(request["output"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(output, 1)
     os.dup2(output, 2)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     os.chdir(request["cwd"])
-    os.environ.clear()
+    if not merge_environment:
+        os.environ.clear()
     os.environ.update(request["env"])
     os.environ[ZYGOTE_SOCKET_ENV] = str(Path(os.environ[CLUSTER_DIR_ENV]) / SOCKET_NAME)
     _reseed_random_generators()
@@ -205,7 +267,7 @@ def _reseed_random_generators() -> None:
         sys.modules["numpy.random"].seed()
 
 
-def _reap_children(signum, frame) -> None:
+def _reap_children() -> None:
     """Reap what ended, and log how (the notebook reads it to say how a rank died)."""
     while True:
         try:
@@ -214,6 +276,7 @@ def _reap_children(signum, frame) -> None:
             return
         if pid == 0:
             return
+        _forked.discard(pid)
         print(f"{ENDED_PREFIX}{pid} {how_it_ended(status)}", file=sys.stderr, flush=True)
 
 

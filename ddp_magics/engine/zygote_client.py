@@ -29,6 +29,11 @@ def fork_engine(socket_path: Path, argv: list[str], env: dict[str, str], cwd: st
     return _ask(socket_path, request, fds=[])
 
 
+def signal_process(socket_path: Path, pid: int, signum: int) -> None:
+    """Ask the zygote listening at ``socket_path`` to send ``signum`` to ``pid``, if it forked it."""
+    _ask(socket_path, {"signal": [pid, signum]}, fds=[])
+
+
 def fork_nanny(socket_path: Path, nanny_arguments: dict) -> tuple[str, BinaryIO]:
     """In an engine: what ``ipyparallel.engine.nanny.start_nanny`` returns (the URL the engine's
     control socket connects to, and the pipe to keep open), with the nanny forked by the zygote
