@@ -14,6 +14,7 @@ Part of the cluster layer: only :mod:`ddp_magics.cluster` uses it.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import select
 import shlex
@@ -170,11 +171,8 @@ class HostZygote(_ZygoteProcess):
         log_path: Path,
     ) -> None:
         self.local_socket, self.log_path = local_socket, log_path
-        variables = " ".join(f"{name}={shlex.quote(value)}" for name, value in environment.items())
-        command = (
-            f"cd {shlex.quote(host_workdir)} && exec env {variables} "
-            f"{shlex.quote(python)} -m ddp_magics.engine.zygote --host"
-        )
+        zygote = f"{shlex.quote(python)} -m ddp_magics.engine.zygote --host"
+        command = f"cd {shlex.quote(host_workdir)} && exec {zygote}"
         forward = f"{local_socket}:{host_workdir}/{SOCKET_NAME}"
         with open(log_path, "ab") as log:
             self.process = subprocess.Popen(
@@ -185,6 +183,10 @@ class HostZygote(_ZygoteProcess):
                 stderr=log,
                 start_new_session=True,  # the notebook's Ctrl-C is not the session's
             )  # fmt: skip
+        # Its settings (the lifeline's secret among them) go over the session, never on a command line.
+        with contextlib.suppress(BrokenPipeError):  # ssh failed: wait_ready says why, from its log
+            self.process.stdin.write(json.dumps(environment).encode() + b"\n")
+            self.process.stdin.flush()
 
     def close(self) -> None:
         """Tell the zygote to stop: it kills its engines, removes the host's directory and exits,

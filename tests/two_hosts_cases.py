@@ -32,6 +32,7 @@ LINK_ENV = "DDP_MAGICS_TEST_LINK"  # "ns_a/veth_a ns_b/veth_b": each host's end 
 NOWHERE_MAC = "02:00:00:00:00:01"  # a locally administered address no interface here has
 pytestmark = pytest.mark.skipif(SSH_CONFIG_ENV not in os.environ, reason="run by tests/test_two_hosts.py")
 HOSTS = f"{HOST_A}:2,{HOST_B}:2"
+ZYGOTE_ON_HOST = ["ddp_magics.engine.zygote", "--host"]
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +122,21 @@ def test_ranks_come_host_by_host_with_torchrun_variables(ip, healthy):
     # gloo talks over the veth, not over the address the host name resolves to.
     captured, _ = run_cell(ip, "", "print(os.environ['GLOO_SOCKET_IFNAME'].endswith(('va', 'vb')))")
     assert shown_text(captured) == "[ranks 0-3]\nTrue"
+
+
+def test_each_host_has_one_zygote_whose_secrets_are_on_no_command_line(ip, healthy):
+    """Issue 25: every engine of a host is forked by that host's zygote, started over one ssh
+    session; the lifeline's secret reaches it over the session, never in an argument list."""
+    # Engines and nannies forked by a zygote keep its command line: the zygotes are the first.
+    forked = [p for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [])[-2:] == ZYGOTE_ON_HOST]
+    zygotes = [p for p in forked if p.ppid() not in {other.pid for other in forked}]
+    assert len(zygotes) == 2
+    for info in healthy.cluster.ranks:  # one PID namespace: the test sees host b's processes
+        assert psutil.Process(info.pid).ppid() in {zygote.pid for zygote in zygotes}
+    secret = healthy.cluster._lifeline.environment_value.partition("/")[2]
+    assert len(secret) >= 16
+    arguments = [" ".join(process.info["cmdline"] or []) for process in psutil.process_iter(["cmdline"])]
+    assert not [line for line in arguments if secret in line]
 
 
 def test_output_ranks_push_pull_and_collectives_across_hosts(ip, healthy):

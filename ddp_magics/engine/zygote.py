@@ -91,6 +91,8 @@ _wakeup_pipe: list[int] = []  # (read end, write end): a byte as a child ends
 
 def main() -> None:
     on_host = sys.argv[1:] == ["--host"]
+    if on_host:  # its settings (a secret among them) come first on its input, not in its arguments
+        os.environ.update(json.loads(_first_line(sys.stdin.fileno())))
     cluster_dir = Path(os.environ[CLUSTER_DIR_ENV])
     owner = Owner.parse(os.environ[OWNER_ENV])
     record_process(cluster_dir, os.getpid())
@@ -130,6 +132,17 @@ def main() -> None:
                 os._exit(0)
         if listener in readable:
             _serve_one(listener, merge_environment=on_host)
+
+
+def _first_line(fd: int) -> bytes:
+    """The first line of ``fd``, read byte by byte: nothing after it is taken from the pipe."""
+    line = b""
+    while not line.endswith(b"\n"):
+        byte = os.read(fd, 1)
+        if not byte:
+            raise SystemExit("ddp_magics zygote: its settings did not arrive")
+        line += byte
+    return line
 
 
 def _stop(cluster_dir: Path) -> None:
