@@ -81,6 +81,24 @@ def test_each_host_keeps_the_engines_files_private_and_cleans_what_ended_kernels
     assert not [d for d in directories if d.exists()]
 
 
+def test_stop_after_a_hang_across_hosts_is_quiet_and_leaves_nothing(ip, magics, ssh):
+    """Issue 25: %dist_stop of a cluster whose ranks hang says one line (nothing of ipyparallel's
+    or ssh's), and leaves no process of it and no directory on either host."""
+    root = Path(tempfile.gettempdir()) / f"ddp_magics-{os.geteuid()}"
+    with capture_output():
+        ip.run_line_magic("dist_start", f"--hosts {HOST_A}:1,{HOST_B}:1 --backend gloo")
+    cluster = current_magics(ip).cluster
+    _, error = run_cell(ip, "--timeout 1", "if rank == 0:\n    dist.recv(torch.zeros(1), src=1)")
+    assert isinstance(error, DistributedCellError)
+    processes = cluster.processes() + [psutil.Process(info.pid) for info in cluster.ranks]
+    assert len(list(root.glob("host-*"))) == 2
+    with capture_output() as captured:
+        ip.run_line_magic("dist_stop", "")
+    assert (captured.stdout, captured.stderr) == ("Stopped 2 ranks.\n", "")
+    assert_gone(processes, timeout=5)
+    assert not list(root.glob("host-*"))
+
+
 @pytest.fixture(scope="module")
 def two_hosts(ip, ssh):
     with capture_output() as captured:
