@@ -9,20 +9,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import math
 import os
-import shlex
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,17 +31,15 @@ from ddp_magics import protocol
 from ddp_magics.engine import debugging, recorder
 from ddp_magics.engine import rank as rank_code
 from ddp_magics.engine.zygote import ENDED_PREFIX
+from ddp_magics.hosts import HostError, HostSpec, OtherHosts
 from ddp_magics.launcher import (
-    HostZygote,
     HostZygoteEngineSetLauncher,
     Zygote,
     ZygoteEngineSetLauncher,
     ZygoteError,
 )
 from ddp_magics.lifetime import (
-    CLUSTER_DIR_ENV,
     LIFELINE_ENV,
-    OWNER_ENV,
     Lifeline,
     Owner,
     cluster_processes,
@@ -61,8 +55,6 @@ from ddp_magics.stacks import formatting_an_error, parse_stack_dump
 BACKENDS = ("auto", "gloo", "nccl")
 # ipyparallel's names for its engine launchers that ddp_magics knows how to set up.
 LAUNCHERS = ("local", "ssh", "mpi", "slurm")
-# How long checking that a host answers over ssh may take.
-SSH_CHECK_SECONDS = 15
 CLUSTERS_ROOT_NAME = f"ddp_magics-{os.geteuid()}"  # under the temp directory, private to this user
 OWNER_FILE = "owner"  # the kernel that started the cluster (lifetime.Owner), and its host's name
 # A cluster directory without its owner file is being made, or being removed, for this long at most.
@@ -104,26 +96,6 @@ class RankInfo:
     device: str
     address: str = LOCAL_HOST  # of its host, as the controller's host reaches it
     group_rank: int = 0  # its host's place among the hosts
-
-
-@dataclass(frozen=True)
-class HostSpec:
-    """One entry of a host list: ``[user@]name[:port]`` (ipyparallel's SSH form) and its ranks."""
-
-    location: str
-    ranks: int
-
-    @property
-    def name(self) -> str:
-        return self.location.rpartition("@")[2].partition(":")[0]
-
-    @property
-    def ssh_target(self) -> list[str]:
-        """``ssh`` arguments that reach it: options, then ``--``, then the destination (so that no
-        host name is ever read as an option)."""
-        user, _, host = self.location.rpartition("@")
-        name, _, port = host.partition(":")
-        return [*(["-p", port] if port else []), "--", f"{user}@{name}" if user else name]
 
 
 @dataclass(frozen=True)
@@ -282,10 +254,9 @@ class RankCluster:
         self.engine_launcher = engine_launcher
         self.ranks: list[RankInfo] = []
         self.workdir: Path | None = None
-        self._host_workdirs: dict[str, str] = {}  # on each host of --hosts: its engines' directory
+        self._other_hosts = OtherHosts(self.hosts, self.ssh_command, self.remote_python)
         self._cluster: ipp.Cluster | None = None
         self._zygote: Zygote | None = None
-        self._host_zygotes: dict[str, HostZygote] = {}  # --hosts: each host's, by its location
         self._client: ipp.Client | None = None
         self._views: dict[tuple[int, ...], ipp.DirectView] = {}
 
@@ -312,7 +283,13 @@ class RankCluster:
 
     def _start_engines(self, progress: Progress) -> None:
         self._controller_address = self._choose_controller_address()
-        gpus_per_host = self._check_hosts(progress) if self.engine_launcher == "ssh" else {}
+        gpus_per_host = {}
+        if self.engine_launcher == "ssh":
+            progress(f"reaching {len(self.hosts)} hosts over ssh")
+            try:
+                gpus_per_host = self._other_hosts.prepare(self.workdir.name)
+            except HostError as error:
+                raise ClusterError(str(error)) from None
         if self.requested_backend == "nccl":
             for host in self.hosts:
                 if gpus_per_host.get(host.location, host.ranks) < host.ranks:
@@ -331,7 +308,7 @@ class RankCluster:
         if forked:  # its import of torch runs while the controller starts
             self._zygote = Zygote(self.workdir, environment)
         elif self.engine_launcher == "ssh":  # one zygote per host, each over one ssh session
-            self._start_host_zygotes(environment)
+            self._other_hosts.start_zygotes(environment, self.workdir)
         self._cluster = ipp.Cluster(
             n=self.n,
             profile_dir=str(profile_dir),
@@ -348,36 +325,17 @@ class RankCluster:
             log=CLUSTER_LOG,
             config=config,
         )
-        importing = " while torch is imported, once" + (" per host" if self._host_zygotes else "")
-        progress("starting the controller" + (importing if forked or self._host_zygotes else ""))
+        per_host = bool(self._other_hosts.zygotes)
+        importing = " while torch is imported, once" + (" per host" if per_host else "")
+        progress("starting the controller" + (importing if forked or per_host else ""))
         self._cluster.start_controller_sync()
         if forked:
             self._wait_for_zygote()
-        for location, zygote in self._host_zygotes.items():
-            try:
-                zygote.wait_ready(self.engine_timeout)
-            except ZygoteError as error:
-                raise ClusterError(f"cannot start engines on {location}: {error}") from None
+        try:
+            self._other_hosts.wait_for_zygotes(self.engine_timeout)
+        except HostError as error:
+            raise ClusterError(str(error)) from None
         self._launch_engines(progress)
-
-    def _start_host_zygotes(self, environment: dict[str, str]) -> None:
-        """Start the zygote of every host (see :class:`~ddp_magics.launcher.HostZygote`)."""
-        for index, host in enumerate(self.hosts):
-            workdir = self._host_workdirs[host.location]
-            self._host_zygotes[host.location] = HostZygote(
-                self.ssh_command,
-                host.ssh_target,
-                self.remote_python,
-                workdir,
-                self.workdir / f"host-{index}.sock",
-                {
-                    OWNER_ENV: environment[OWNER_ENV],
-                    LIFELINE_ENV: environment[LIFELINE_ENV],
-                    CLUSTER_DIR_ENV: workdir,
-                    "IPYTHONDIR": f"{workdir}/ipython",
-                },
-                self.workdir / f"zygote-host-{index}.log",
-            )
 
     def _wait_for_zygote(self) -> None:
         try:
@@ -405,16 +363,7 @@ class RankCluster:
         config.BaseLauncher.environment = environment
         config.LocalEngineSetLauncher.delay = 0  # ranks follow engine ids, whatever their order
         if self.engine_launcher == "ssh":
-            config.SSHEngineSetLauncher.engines = {host.location: host.ranks for host in self.hosts}
-            config.SSHLauncher.ssh_cmd = self.ssh_command
-            config.SSHLauncher.remote_python = self.remote_python
-            config.SSHEngineLauncher.to_send = []
-            config.HostZygoteEngineLauncher.host_workdirs = {
-                host.name: self._host_workdirs[host.location] for host in self.hosts
-            }
-            config.HostZygoteEngineLauncher.host_sockets = {
-                host.name: str(self.workdir / f"host-{index}.sock") for index, host in enumerate(self.hosts)
-            }
+            self._other_hosts.configure(config, self.workdir)
         elif self.engine_launcher == "mpi":
             config.MPILauncher.mpi_cmd = self.mpi_command
             if self.hosts:  # MPICH's (hydra's) form
@@ -447,58 +396,6 @@ class RankCluster:
                 "name the one the controller listens on with --ip"
             )
         return sources[0]
-
-    def _check_hosts(self, progress: Progress) -> dict[str, int]:
-        """Reach every host over ssh before starting anything, and prepare it (see
-        :mod:`ddp_magics.engine.host`); returns each one's GPU count."""
-        progress(f"reaching {len(self.hosts)} hosts over ssh")
-        gpus = self._on_every_host(self._prepare_host)
-        return dict(zip([host.location for host in self.hosts], gpus))
-
-    def _on_every_host(self, action: Callable[[HostSpec], object], hosts: list | None = None) -> list:
-        """``action(host)`` for every host of the list (or of ``hosts``) at once (each is mostly
-        an ssh call)."""
-        hosts = self.hosts if hosts is None else hosts
-        if not hosts:
-            return []
-        with ThreadPoolExecutor(len(hosts)) as pool:
-            return list(pool.map(action, hosts))
-
-    def _ssh(self, host: HostSpec, command: str) -> subprocess.CompletedProcess:
-        """Run a shell ``command`` on ``host`` with the user's ssh, never asking for a password."""
-        return subprocess.run(
-            [*self.ssh_command, "-o", "BatchMode=yes", "-o", f"ConnectTimeout={SSH_CHECK_SECONDS}",
-             *host.ssh_target, command],
-            capture_output=True,
-            text=True,
-            timeout=SSH_CHECK_SECONDS + 5,
-            stdin=subprocess.DEVNULL,
-        )  # fmt: skip
-
-    def _prepare_host(self, host: HostSpec) -> int:
-        """Make the host's private directory for this cluster's engines (kept in
-        ``_host_workdirs``, so that stop removes it whatever fails next); returns its GPU count."""
-        python = shlex.quote(self.remote_python)
-        # Named per host too: two hosts may share a temp directory (over the network).
-        name = f"{self.workdir.name}-{self.hosts.index(host)}"
-        prepare = f"{python} -m ddp_magics.engine.host {shlex.quote(name)}"
-        command = f"if test -x {python}; then {prepare}; else echo no {python} >&2; fi"
-        try:
-            answer = self._ssh(host, command)
-        except subprocess.TimeoutExpired:
-            raise ClusterError(f"{host.location} did not answer ssh within {SSH_CHECK_SECONDS} s") from None
-        problem = answer.stderr.strip().splitlines()
-        if answer.returncode != 0 or problem:
-            reason = problem[-1] if problem else f"ssh exited with {answer.returncode}"
-            raise ClusterError(f"cannot start engines on {host.location}: {reason}")
-        try:
-            prepared = json.loads(answer.stdout.strip().splitlines()[-1])
-        except (IndexError, json.JSONDecodeError):
-            raise ClusterError(
-                f"cannot start engines on {host.location}: it answered {answer.stdout!r}"
-            ) from None
-        self._host_workdirs[host.location] = prepared["workdir"]
-        return prepared["gpus"]
 
     def _launch_engines(self, progress: Progress) -> None:
         progress(f"starting {self.n} engines" + (f" on {len(self.hosts)} hosts" if self.hosts else ""))
@@ -535,8 +432,8 @@ class RankCluster:
     def restartable_in_place(self) -> bool:
         """Whether :meth:`restart` can replace the engines alone (while their zygotes live: the
         local one, or each host's)."""
-        zygotes = [zygote for zygote in (self._zygote, *self._host_zygotes.values()) if zygote is not None]
-        return self.running and all(zygote.alive() for zygote in zygotes)
+        local_alive = self._zygote is None or self._zygote.alive()
+        return self.running and local_alive and self._other_hosts.zygotes_alive()
 
     def restart(self, progress: Progress | None = None) -> None:
         """Kill the engines (a rank stuck in gloo included) and start new ones that form a new
@@ -837,19 +734,10 @@ class RankCluster:
                 zygote.stop()
             _wait_for_exit(processes)
         finally:
-            # Each zygote still running removes its host's directory as it ends.
-            host_zygotes = {location: z for location, z in self._host_zygotes.items() if z.alive()}
-            for zygote in self._host_zygotes.values():
-                zygote.close()  # all at once: each then ends in its own time
-            for zygote in self._host_zygotes.values():
-                zygote.stop()
-            self._host_zygotes = {}
+            self._other_hosts.stop()
             if self._lifeline is not None:
                 self._lifeline.close()
                 self._lifeline = None
-            if self._host_workdirs:
-                self._remove_remote_files([h for h in self.hosts if h.location not in host_zygotes])
-                self._host_workdirs = {}
             if client is not None:
                 client.close()
             if self.workdir is not None:
@@ -857,21 +745,6 @@ class RankCluster:
                 self.workdir = None
             self.ranks = []
             self._views = {}
-
-    def _remove_remote_files(self, hosts: list[HostSpec]) -> None:
-        """The engines' directories (profile, logs) on ``hosts`` (those whose zygote did not
-        start), removed with one ssh call per host at once."""
-
-        def remove(host: HostSpec) -> None:
-            workdir = self._host_workdirs.get(host.location)
-            if workdir is None:
-                return  # never prepared
-            try:
-                self._ssh(host, f"rm -rf -- {shlex.quote(workdir)}").check_returncode()
-            except (subprocess.SubprocessError, OSError) as error:
-                CLUSTER_LOG.error("could not remove %s on %s: %s", workdir, host.location, error)
-
-        self._on_every_host(remove, hosts)
 
     def processes(self) -> list[psutil.Process]:
         """Controller, engines and their helper processes (nannies, schedulers) now running."""

@@ -117,3 +117,14 @@ def test_the_imports_have_no_cycle():
     for module in sorted(graph):
         visit(module, [])
     assert "ddp_magics.matching" in graph["ddp_magics.diagrams"]  # the graph is read at all
+
+
+def test_only_the_cluster_uses_its_launchers_and_hosts():
+    """launcher.py (how engines come to be) and hosts.py (the other hosts, over ssh) are rooms of
+    the cluster layer: the rest of the notebook side sees the cluster only."""
+    users = {
+        path.name
+        for path in PACKAGE.glob("*.py")
+        if ours(imported_modules(path)) & {"ddp_magics.launcher", "ddp_magics.hosts"}
+    }
+    assert users == {"cluster.py", "hosts.py"}
