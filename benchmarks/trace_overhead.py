@@ -2,10 +2,12 @@
 and on, same cluster, same run.
 
 One 2-rank gloo cluster (``%dist_start -n 2 --backend gloo``). Each repetition runs the same cell
-twice, in alternating order:
+three times, in an order that rotates from one repetition to the next:
 
-  off: ``%%distributed``            (nothing is registered)
-  on:  ``%%distributed --trace t``  (every call recorded, events collected into a Trace)
+  off:       ``%%distributed``            (nothing is registered)
+  on:        ``%%distributed --trace t``  (every call recorded, events collected into a Trace)
+  off again: ``%%distributed``            (an A/A control: how far two runs of the same cell
+                                           differ on this machine, printed beside the ratio)
 
 The cell times its own loop of 100 ``dist.all_reduce`` calls on a 1 MB float32 tensor
 (262 144 elements); a repetition's time is the slowest rank's. The DDP cell times 20 training
@@ -98,14 +100,17 @@ def main() -> int:
         run(shell, traced=False)  # warm-up
         run(shell, traced=True)
         run(shell, traced=False, loop=DDP_LOOP, calls=DDP_STEPS)
-        samples: dict[bool, list[tuple[float, float, float]]] = {False: [], True: []}
-        ddp_samples: dict[bool, list[tuple[float, float, float]]] = {False: [], True: []}
+        # "off" twice: the second (A/A) shows how far two runs of the same cell differ here.
+        kinds = ("off", "on", "off again")
+        samples: dict[str, list[tuple[float, float, float]]] = {kind: [] for kind in kinds}
+        ddp_samples: dict[str, list[tuple[float, float, float]]] = {kind: [] for kind in kinds}
         for repeat in range(args.repeats):
-            order = (False, True) if repeat % 2 == 0 else (True, False)
-            for traced in order:
-                samples[traced].append(run(shell, traced))
-            for traced in reversed(order):
-                ddp_samples[traced].append(run(shell, traced, DDP_LOOP, DDP_STEPS))
+            shift = repeat % len(kinds)  # each kind in each place of the order, in turn
+            order = kinds[shift:] + kinds[:shift]
+            for kind in order:
+                samples[kind].append(run(shell, kind == "on"))
+            for kind in reversed(order):
+                ddp_samples[kind].append(run(shell, kind == "on", DDP_LOOP, DDP_STEPS))
     finally:
         with capture_output():
             shell.run_line_magic("dist_stop", "")
@@ -116,15 +121,18 @@ def main() -> int:
         (f"{DDP_STEPS} DDP training steps (MLP 512 wide, batch 32)", ddp_samples, DDP_TARGET_RATIO),
     ):
 
-        def median(traced: bool, index: int) -> float:
-            return statistics.median(sample[index] for sample in measured[traced])  # noqa: B023
+        def median(kind: str, index: int) -> float:
+            return statistics.median(sample[index] for sample in measured[kind])  # noqa: B023
 
         print(f"{title} on 2 ranks, {args.repeats} repetitions each")
-        print(f"{'':24}{'tracing off':>14}{'tracing on':>14}{'ratio':>8}")
+        print(f"{'':24}{'tracing off':>14}{'tracing on':>14}{'ratio':>8}{'off again':>14}{'A/A ratio':>10}")
         for label, index in (("loop (slowest rank)", 0), ("whole cell", 1), ("loop CPU (busiest rank)", 2)):
-            off, on = median(False, index), median(True, index)
-            print(f"{label:24}{off * 1e3:>11.1f} ms{on * 1e3:>11.1f} ms{on / off:>8.3f}")
-        ratio = median(True, 0) / median(False, 0)
+            off, on, again = (median(kind, index) for kind in kinds)
+            print(
+                f"{label:24}{off * 1e3:>11.1f} ms{on * 1e3:>11.1f} ms{on / off:>8.3f}"
+                f"{again * 1e3:>11.1f} ms{again / off:>10.3f}"
+            )
+        ratio = median("on", 0) / median("off", 0)
         verdict = "pass" if ratio <= target else "FAIL"
         failed |= ratio > target
         print(f"target: loop ratio <= {target}: {verdict}\n")
