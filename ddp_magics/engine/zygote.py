@@ -86,7 +86,7 @@ REQUEST_SECONDS = 2.0
 
 # ----------------------------------------------------------------- in the zygote
 _forked: set[int] = set()  # what this zygote forked and has not reaped
-_wakeup_pipe: list[int] = []  # (read end, write end): a byte as a child ends
+_own_fds: list[int] = []  # the zygote's own (wake-up pipe, owner's pidfd, lifeline): not a child's
 
 
 def main() -> None:
@@ -105,24 +105,27 @@ def main() -> None:
     listener.listen()
     # A child's end wakes the loop, which reaps and logs it: a signal handler that wrote to the
     # log itself would be re-entered by the next child's end, and die (``reentrant call``).
-    child_ended, wakeup = _wakeup_pipe[:] = os.pipe()
-    for fd in _wakeup_pipe:
+    child_ended, wakeup = os.pipe()
+    for fd in (child_ended, wakeup):
         os.set_blocking(fd, False)
     signal.set_wakeup_fd(wakeup)
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)
     owner_gone = owner.pidfd() if owner.on_this_machine else None
     ended = [fd for fd in (owner_gone, lifeline) if fd is not None]  # readable as the owner goes
+    _own_fds.extend([child_ended, wakeup, *(fd if isinstance(fd, int) else fd.fileno() for fd in ended)])
     stopped = [sys.stdin] if on_host else []  # readable (at its end) as the cluster stops
     print(READY, flush=True)
+    # Without a pidfd, an owner on this machine is polled; one elsewhere is watched only through
+    # the lifeline (none: nothing to watch, as for the engines that could not reach it either).
+    polled = owner.on_this_machine and owner_gone is None
     while True:
-        polled = owner_gone is None and lifeline is None
         watched = [listener, child_ended, *ended, *stopped]
         readable, _, _ = select.select(watched, [], [], POLL_SECONDS if polled else None)
         if child_ended in readable:
             while len(os.read(child_ended, 1 << 12)) == 1 << 12:
                 pass
             _reap_children()
-        if any(fd in readable for fd in ended) if not polled else not owner.alive():
+        if any(fd in readable for fd in ended) or (polled and not owner.alive()):
             exit_with_children(owner, cluster_dir if on_host else None)
         if stopped and sys.stdin in readable:
             said = os.read(sys.stdin.fileno(), 1 << 12)
@@ -206,7 +209,7 @@ def _answer(connection: socket.socket, listener: socket.socket, merge_environmen
         try:
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            for fd in _wakeup_pipe:
+            for fd in _own_fds:
                 os.close(fd)
             os.setsid()  # like ipyparallel's launchers: the notebook's signals are not its own
             listener.close()
