@@ -127,6 +127,7 @@ class Tracer:
         self.events: list[TraceEvent] = []
         self.active = False
         self._calls = 0  # the seq of the last event
+        self._kernel_code = None  # of the kernels' function (found on a stack by it)
         self._in_flight: tuple | None = None  # (spec, args, start, before, thread) of a call in the backend
         self._library = None
         self._original_wait = None
@@ -244,7 +245,7 @@ class Tracer:
             return events
         spec, args, started, before, thread = in_flight
         frame = sys._current_frames().get(thread)
-        while frame is not None and frame.f_code.co_name != "traced":  # our kernel's frame
+        while frame is not None and frame.f_code is not self._kernel_code:  # our kernel's frame
             frame = frame.f_back
         if frame is not None:  # its caller: none on a thread with no Python (the autograd engine's)
             try:
@@ -300,6 +301,7 @@ class Tracer:
                 _say_recording_failed(error)
             return result
 
+        self._kernel_code = traced.__code__  # the same for every op's kernel
         return traced
 
     def _record(self, spec: C10dOp, args: tuple, started: float, before: tuple) -> tuple[TraceEvent, tuple]:
