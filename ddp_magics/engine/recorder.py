@@ -58,6 +58,11 @@ class C10dOp(NamedTuple):
     tag: int | None = None
     async_op: int | None = None  # the caller asked for a handle (None: the op has no such flag)
 
+    @property
+    def primary_in_outputs(self) -> bool:
+        """Its shape to compare across the group is its output's (a reduce-scatter's)."""
+        return self.op in ("reduce_scatter", "reduce_scatter_tensor")
+
 
 C10D_OPS: dict[str, C10dOp] = {
     "allreduce_": C10dOp("all_reduce", 1, inputs=0, outputs=0, reduce_op=2, async_op=4),
@@ -352,12 +357,13 @@ class Tracer:
             event.reduce_op = _reduce_op_name(self._dist, args[spec.reduce_op])
         elif spec.reduce_op is not None:  # named later: reading a ReduceOp costs more than this call
             self._unnamed_reduce_ops.append((event, args[spec.reduce_op]))
-        tensor_type = self._torch.Tensor
-        first = _first_tensor(inputs, tensor_type)
-        if spec.op in ("reduce_scatter", "reduce_scatter_tensor") or first is None:
-            first = _first_tensor(args[spec.outputs], tensor_type) if spec.outputs is not None else None
-        if first is not None and OPS[op].primary:
-            event.primary = self._known_info(first)[1]
+        if OPS[op].primary:
+            tensor_type = self._torch.Tensor
+            first = None if spec.primary_in_outputs else _first_tensor(inputs, tensor_type)
+            if first is None and spec.outputs is not None:
+                first = _first_tensor(args[spec.outputs], tensor_type)
+            if first is not None:
+                event.primary = self._known_info(first)[1]
         return event
 
     def _call_site(self, caller) -> tuple[list, CallSite]:
@@ -393,10 +399,9 @@ class Tracer:
 
     def _wait(self, original, work, pending: tuple, args: tuple, kwargs: dict):
         _, event, outputs = pending
-        caller = sys._getframe(2)  # _wait <- wait <- the caller
-        by_the_cell = not caller.f_globals.get("__name__", "").startswith("torch.")
         wait_event = None
-        if by_the_cell and event.async_op:
+        caller = sys._getframe(2) if event.async_op else None  # _wait <- wait <- the caller
+        if caller is not None and not caller.f_globals.get("__name__", "").startswith("torch."):  # the cell's
             frames, site = self._call_site(caller)
             self._calls += 1
             wait_event = TraceEvent(
@@ -498,6 +503,8 @@ def _first_tensor(value, tensor_type):
     """The first tensor in a tensor or in (nested) lists and tuples of them; None if none."""
     if isinstance(value, tensor_type):
         return value
+    if isinstance(value, list) and value and isinstance(value[0], tensor_type):
+        return value[0]  # the usual case, made short
     if isinstance(value, (list, tuple)):
         for item in value:
             found = _first_tensor(item, tensor_type)
