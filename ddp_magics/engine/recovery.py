@@ -65,7 +65,10 @@ def start_connection_cutter() -> None:
     _read_end, write_end = dump_pipe()
     os.set_blocking(_read_end, False)
     _wake_pipe = os.fdopen(write_end, "wb", buffering=0)
-    faulthandler.register(CUT_CONNECTIONS_SIGNAL, file=_wake_pipe, all_threads=False)
+    # all_threads: the kernel may hand a process's signal to any thread not blocking it, gloo's
+    # and zmq's included (seen after an outage between hosts); for a thread without Python,
+    # faulthandler writes nothing unless all_threads, and the cut would be lost.
+    faulthandler.register(CUT_CONNECTIONS_SIGNAL, file=_wake_pipe, all_threads=True)
     threading.Thread(target=_serve, name="ddp_magics recovery", daemon=True).start()
 
 
