@@ -50,7 +50,7 @@ from ddp_magics.lifetime import (
 )
 from ddp_magics.output import RankOutput
 from ddp_magics.private_files import UnsafeDirectory, private_root, write_atomically
-from ddp_magics.stacks import formatting_an_error, parse_stack_dump
+from ddp_magics.stacks import formatting_an_error, in_a_collective, parse_stack_dump
 
 BACKENDS = ("auto", "gloo", "nccl")
 # ipyparallel's names for its engine launchers that ddp_magics knows how to set up.
@@ -497,13 +497,23 @@ class RankCluster:
         if unfinished is not None:
             busy = self._busy_after(unfinished, alive, CUT_WAIT_SECONDS)
             if busy:
+                stacks = {
+                    rank: parse_stack_dump(dump.stack)
+                    for rank, dump in self.inspect(unfinished, busy).items()
+                }
+                # faulthandler answers the cut as it answers a stack dump, and drops a signal that
+                # comes while it is writing a dump (a stack-dump request held up by a network
+                # outage reaches a rank together with the cut): a rank its dump shows still in a
+                # collective gets the cut again, now that its dump is written.
+                blocked = [rank for rank in busy if rank in stacks and in_a_collective(stacks[rank])]
+                if blocked:
+                    self.signal(protocol.CUT_CONNECTIONS_SIGNAL, blocked, timeout=answer_seconds)
+                    still = self._busy_after(unfinished, blocked, CUT_WAIT_SECONDS)
+                    busy = [rank for rank in busy if rank not in blocked or rank in still]
                 # A rank whose collective the cut ended may still be formatting its error (slow on
                 # a loaded machine): its stack says so, and it is left to finish.
-                dumps = self.inspect(unfinished, busy)
                 interrupted = [
-                    rank
-                    for rank in busy
-                    if rank not in dumps or not formatting_an_error(parse_stack_dump(dumps[rank].stack))
+                    rank for rank in busy if rank not in stacks or not formatting_an_error(stacks[rank])
                 ]
             if interrupted:
                 progress(f"interrupting {protocol.rank_label(interrupted)}")

@@ -43,6 +43,15 @@ def cell_frames(threads: list[list[Frame]]) -> list[Frame]:
     return []
 
 
+def in_a_collective(threads: list[list[Frame]]) -> bool:
+    """Whether the thread running the cell is in a torch.distributed call, or in backward (where
+    DDP's reducer waits for its all-reduces)."""
+    return any(
+        frame.filename.endswith(_DIST_API_FILE) or frame.function == _AUTOGRAD_ENGINE_CALL
+        for frame in cell_frames(threads)
+    )
+
+
 def formatting_an_error(threads: list[list[Frame]]) -> bool:
     """Whether the thread running the cell is in IPython showing the cell's error (the cell has
     raised and is about to end), not in the cell's code."""
