@@ -114,6 +114,7 @@ def main() -> None:
     ended = [fd for fd in (owner_gone, lifeline) if fd is not None]  # readable as the owner goes
     _own_fds.extend([child_ended, wakeup, *(fd if isinstance(fd, int) else fd.fileno() for fd in ended)])
     stopped = [sys.stdin] if on_host else []  # readable (at its end) as the cluster stops
+    told = b""  # what arrived on it so far: ``stop`` may come in more than one read
     print(READY, flush=True)
     # Without a pidfd, an owner on this machine is polled; one elsewhere is watched only through
     # the lifeline (none: nothing to watch, as for the engines that could not reach it either).
@@ -129,7 +130,8 @@ def main() -> None:
             exit_with_children(owner, cluster_dir if on_host else None)
         if stopped and sys.stdin in readable:
             said = os.read(sys.stdin.fileno(), 1 << 12)
-            if STOP.encode() in said:
+            told += said
+            if STOP.encode() in told:
                 _stop(cluster_dir)
             if not said:  # the session was lost (the link?), not closed: its engines go on
                 os._exit(0)
