@@ -33,7 +33,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
 from jupyter_client.manager import start_new_kernel
 
-from ddp_magics.cluster import clusters_root
+from ddp_magics.cluster.strays import clusters_root
 from ddp_magics.lifetime import is_running
 
 TARGET_SECONDS = 2.0

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from IPython.core.error import UsageError
 
+from ddp_magics.cluster.records import RankFailure
 from ddp_magics.protocol import rank_label
 from ddp_magics.stacks import BlockedRank
 
@@ -19,17 +20,6 @@ RESTART_ADVICE = (
 def usage_error(message: str) -> UsageError:
     """A user mistake: IPython shows it as one line, without a traceback."""
     return UsageError(message)
-
-
-
-
-# ------------------------------------------------------------------ cell failures
-@dataclass(frozen=True)
-class RankFailure:
-    rank: int
-    ename: str
-    evalue: str
-    traceback: str
 
 
 @dataclass(frozen=True)
@@ -130,40 +120,3 @@ def _without_rule(lines: list[str]) -> list[str]:
     if lines and set(_ANSI.sub("", lines[0]).strip()) == {"-"}:
         return lines[1:]
     return lines
-
-
-# torch 2.13 (distributed_c10d.get_backend, which collectives call) for a group destroyed by
-# %dist_recover: "Process group <...ProcessGroup object at 0x...> is not initialized in the
-# world group map. Please initialize the group first."
-_DESTROYED_GROUP = re.compile(r"Process group <.*?> is not initialized in the world group map")
-# gloo (pair.cc), when C++ that holds an old group (DDP's reducer) uses a connection recovery cut.
-_CLOSED_CONNECTION = re.compile(r"Connection closed by peer (\[[^\]]*\]:\d+)")
-
-
-def stale_group_failure(
-    failure: RankFailure, stale: tuple[tuple[str, str], ...], cut_peers: frozenset[str]
-) -> RankFailure:
-    """A rank's use of a process group that %dist_recover destroyed, as one line naming what
-    holds old groups on that rank; any other failure unchanged."""
-    closed = _CLOSED_CONNECTION.search(failure.evalue)
-    if not (_DESTROYED_GROUP.search(failure.evalue) or (closed and closed[1] in cut_peers)):
-        return failure
-    names = ", ".join(name for name, _ in stale)
-    return RankFailure(
-        rank=failure.rank,
-        ename="StaleProcessGroup",
-        evalue="this uses a process group from before %dist_recover"
-        + (f" (stale here: {names})" if names else "")
-        + "; make it again (dist.new_group, DDP(...), ...)",
-        traceback="",
-    )
-
-
-def failure_from_remote_error(rank: int, error: BaseException) -> RankFailure:
-    """An ipyparallel RemoteError (or any exception) as plain per-rank data."""
-    ename = getattr(error, "ename", type(error).__name__)
-    evalue = getattr(error, "evalue", str(error))
-    traceback = getattr(error, "traceback", "") or ""
-    if ename == "DebuggerQuit":  # q at a breakpoint()'s prompt: the user ended the cell there
-        return RankFailure(rank=rank, ename=ename, evalue=evalue, traceback="")
-    return RankFailure(rank=rank, ename=ename, evalue=evalue, traceback=traceback)

@@ -19,7 +19,8 @@ import pytest
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
-from ddp_magics.cluster import CLUSTERS_ROOT_NAME, HostSpec, stop_stray_clusters
+from ddp_magics.cluster.records import HostSpec
+from ddp_magics.cluster.strays import CLUSTERS_ROOT_NAME, stop_stray_clusters
 from ddp_magics.engine.zygote import SOCKET_NAME
 from ddp_magics.lifetime import Lifeline, Owner
 from ddp_magics.output import MAX_SHOWN_CHARS, RankOutput, live_html

@@ -13,8 +13,6 @@ PACKAGE = Path(ddp_magics.__file__).parent
 # private files.
 SHARED_MODULES = ("ddp_magics.protocol", "ddp_magics.lifetime", "ddp_magics.private_files")
 ENGINE_MAY_IMPORT = ("ddp_magics.engine", *SHARED_MODULES)
-# Notebook-side modules that may import ipyparallel: the cluster layer.
-CLUSTER_LAYER = {"cluster.py", "launcher.py", "controller.py"}
 
 
 def module_name(path: Path) -> str:
@@ -23,9 +21,14 @@ def module_name(path: Path) -> str:
 
 
 def imported_modules(path: Path) -> set[str]:
-    """Every module ``path`` imports, at module level or inside functions."""
+    """Every module ``path`` imports, at module level or inside functions (not those imported
+    for type annotations only, under ``if TYPE_CHECKING:``)."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            node.body = []
     names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -58,29 +61,99 @@ def test_shared_modules_import_nothing_of_either_side():
         assert ours(imported_modules(path)) == set(), shared
 
 
+def notebook_side() -> list[Path]:
+    return [path for path in PACKAGE.rglob("*.py") if "engine" not in path.relative_to(PACKAGE).parts]
+
+
+def in_cluster_layer(path: Path) -> bool:
+    return path.relative_to(PACKAGE).parts[0] == "cluster" or path.name == "controller.py"
+
+
 def test_the_engine_side_is_not_imported_by_the_notebook_side_except_to_send_its_functions():
-    """The notebook side sends engine functions by reference (cluster.py) and starts engine
-    processes (launcher.py); nothing else of it needs engine code."""
-    importers = {
-        path.name
-        for path in PACKAGE.glob("*.py")
+    """The notebook side sends engine functions by reference and starts engine processes (the
+    cluster layer); nothing else of it needs engine code."""
+    importers = [
+        path
+        for path in notebook_side()
         if any(name.startswith("ddp_magics.engine") for name in imported_modules(path))
-    }
-    assert importers <= CLUSTER_LAYER
+    ]
+    assert importers and all(in_cluster_layer(path) for path in importers), importers
 
 
+# What only a client of ipyparallel does: import it, or call what a client, view or result offers.
+CLIENT_MODULES = ("ipyparallel.client", "ipyparallel.error")
+CLIENT_CALLS = {
+    "Client",
+    "DirectView",
+    "AsyncResult",
+    "connect_client_sync",
+    "apply_async",
+    "_send_control_request",
+    "wait_for_engines",
+    "wait_for_output",
+    "metadata",
+}
 
-def test_only_the_cluster_layer_talks_to_ipyparallel():
-    notebook_side = [p for p in PACKAGE.rglob("*.py") if "engine" not in p.relative_to(PACKAGE).parts]
-    talking = {
+
+def client_uses(path: Path) -> set[str]:
+    uses = {name for name in imported_modules(path) if name.startswith(CLIENT_MODULES)}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr in CLIENT_CALLS:
+            uses.add(node.attr)
+    return uses
+
+
+def test_only_the_engines_module_talks_to_ipyparallels_client():
+    talking = {str(path.relative_to(PACKAGE)) for path in notebook_side() if client_uses(path)}
+    assert talking == {"cluster/engines.py"}
+    for path in notebook_side():
+        if path.name != "engines.py":
+            assert "._metadata" not in path.read_text(), path.name
+
+
+def test_only_the_cluster_layer_imports_ipyparallel():
+    importing = {
         str(path.relative_to(PACKAGE))
-        for path in notebook_side
+        for path in notebook_side()
         if any(name.split(".")[0] == "ipyparallel" for name in imported_modules(path))
     }
-    assert talking <= CLUSTER_LAYER
-    for path in notebook_side:
-        if path.name not in CLUSTER_LAYER:
-            assert "._metadata" not in path.read_text(), path.name
+    assert importing <= {"cluster/engines.py", "cluster/lifecycle.py", "cluster/launcher.py", "controller.py"}
+
+
+# What the user sees and says: the cluster layer knows none of it.
+PRESENTATION = {
+    "ddp_magics.magics",
+    "ddp_magics.settings",
+    "ddp_magics.arguments",
+    "ddp_magics.cell_run",
+    "ddp_magics.cell_view",
+    "ddp_magics.reports",
+    "ddp_magics.errors",
+    "ddp_magics.output",
+    "ddp_magics.live_view",
+    "ddp_magics.diagrams",
+    "ddp_magics.diff",
+}
+
+
+def test_the_cluster_package_imports_no_presentation_code():
+    cluster_files = sorted((PACKAGE / "cluster").glob("*.py"))
+    assert len(cluster_files) >= 8
+    for path in cluster_files:
+        imports = imported_modules(path)
+        shown = sorted(ours(imports) & PRESENTATION) + sorted(n for n in imports if n.startswith("IPython"))
+        assert shown == [], path.name
+
+
+def test_nothing_imports_the_magics():
+    """The magics are the top: only the extension's loader (the package itself) registers them."""
+    importers = [
+        module_name(path)
+        for path in PACKAGE.rglob("*.py")
+        if path.name != "__init__.py" or path.parent != PACKAGE
+        if "ddp_magics.magics" in imported_modules(path)
+    ]
+    assert importers == []
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -124,7 +197,7 @@ def test_only_the_cluster_uses_its_launchers_and_hosts():
     the cluster layer: the rest of the notebook side sees the cluster only."""
     users = {
         path.name
-        for path in PACKAGE.glob("*.py")
-        if ours(imported_modules(path)) & {"ddp_magics.launcher", "ddp_magics.hosts"}
+        for path in notebook_side()
+        if ours(imported_modules(path)) & {"ddp_magics.cluster.launcher", "ddp_magics.cluster.hosts"}
     }
-    assert users == {"cluster.py", "hosts.py"}
+    assert users == {"lifecycle.py", "hosts.py"}

@@ -16,7 +16,7 @@ import psutil
 import pytest
 from IPython.utils.capture import capture_output
 
-from ddp_magics.cluster import OWNER_FILE, clusters_root, stop_stray_clusters
+from ddp_magics.cluster.strays import OWNER_FILE, clusters_root, stop_stray_clusters
 from ddp_magics.lifetime import (
     CLUSTER_DIR_ENV,
     LIFELINE_ENV,

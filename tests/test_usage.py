@@ -19,7 +19,7 @@ from tests.conftest import run_cell, running_cluster
     [
         ("-n 0", "needs at least 1 rank"),
         ("-n abc", "invalid int value"),
-        ("--backend nccl", "nccl needs one GPU per rank"),
+        ("--backend nccl", "--backend nccl: nccl needs a GPU per rank: this machine runs 2 ranks"),
         ("--backend mpi", "invalid choice"),
         ("--timeout -1", "must be more than 0"),
         ("--timeout 0", "must be more than 0"),

@@ -151,7 +151,7 @@ def test_each_host_has_one_zygote_whose_secrets_are_on_no_command_line(ip, healt
     assert len(zygotes) == 2
     for info in healthy.cluster.ranks:  # one PID namespace: the test sees host b's processes
         assert psutil.Process(info.pid).ppid() in {zygote.pid for zygote in zygotes}
-    secret = healthy.cluster._lifeline.environment_value.partition("/")[2]
+    secret = healthy.cluster._processes.lifeline.environment_value.partition("/")[2]
     assert len(secret) >= 16
     arguments = [" ".join(process.info["cmdline"] or []) for process in psutil.process_iter(["cmdline"])]
     assert not [line for line in arguments if secret in line]

@@ -1,6 +1,6 @@
 """ipyparallel engine launchers adapted to ddp_magics: the notebook side.
 
-Part of the cluster layer: only :mod:`ddp_magics.cluster` uses it.
+Part of the cluster layer (:mod:`ddp_magics.cluster`): only its lifecycle and hosts use it.
 
 - Local engines forked by the cluster's zygote (:mod:`ddp_magics.engine.zygote`): :class:`Zygote`
   starts and stops the zygote process; :class:`ZygoteEngineSetLauncher` is an ipyparallel engine

@@ -2,10 +2,10 @@
 
 Each host is reached and prepared first, with one ssh call that makes its private directory for
 the cluster and counts its GPUs (:mod:`ddp_magics.engine.host`); then it runs a zygote of its own
-over one ssh session (:class:`~ddp_magics.launcher.HostZygote`), which forks every engine of the
+over one ssh session (:class:`~ddp_magics.cluster.launcher.HostZygote`), which forks every engine of the
 host; when the cluster stops, each zygote kills what it forked and removes the host's directory
-(one more ssh call removes it where no zygote runs). Part of the cluster layer: only
-:mod:`ddp_magics.cluster` uses it.
+(one more ssh call removes it where no zygote runs). Part of the cluster layer
+(:mod:`ddp_magics.cluster`).
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import shlex
 import subprocess
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 from traitlets.config import Config
 
-from ddp_magics.launcher import HostZygote, ZygoteError
+from ddp_magics.cluster.launcher import HostZygote, ZygoteError
+from ddp_magics.cluster.records import HostSpec
 from ddp_magics.lifetime import CLUSTER_DIR_ENV, LIFELINE_ENV, OWNER_ENV
 
 # How long checking that a host answers over ssh may take.
@@ -31,26 +31,6 @@ LOG = logging.getLogger("ddp_magics.ipyparallel")
 
 class HostError(RuntimeError):
     """A host could not be reached, prepared or given its zygote (one line: which and why)."""
-
-
-@dataclass(frozen=True)
-class HostSpec:
-    """One entry of a host list: ``[user@]name[:port]`` (ipyparallel's SSH form) and its ranks."""
-
-    location: str
-    ranks: int
-
-    @property
-    def name(self) -> str:
-        return self.location.rpartition("@")[2].partition(":")[0]
-
-    @property
-    def ssh_target(self) -> list[str]:
-        """``ssh`` arguments that reach it: options, then ``--``, then the destination (so that no
-        host name is ever read as an option)."""
-        user, _, host = self.location.rpartition("@")
-        name, _, port = host.partition(":")
-        return [*(["-p", port] if port else []), "--", f"{user}@{name}" if user else name]
 
 
 class OtherHosts:

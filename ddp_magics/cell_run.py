@@ -1,0 +1,233 @@
+"""One ``%%distributed`` cell, from sending it to its outcome.
+
+:class:`CellRun` sends the cell, then :meth:`CellRun.steps` waits for the ranks: it owns the
+timeout, the grace after a rank raised, the stop button, the ranks' ``breakpoint()`` prompts and
+the inspection of ranks still running. It is a generator of plain records: a :class:`Tick` now
+and then (the outputs so far), a :class:`Prompt` when a rank stops in pdb (the line typed is sent
+back in), and its return value, one :class:`CellOutcome`. Nothing here calls back up: time at a
+prompt is the time between yielding it and being resumed, and does not count towards the timeout
+or the error grace. The stop button, wherever it is pressed, reaches the generator (thrown in at
+its ``yield`` if pressed while the caller holds a record).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator
+from dataclasses import dataclass, field
+
+from ddp_magics.cluster.engines import CellAnswers
+from ddp_magics.cluster.rank_cluster import RankCluster
+from ddp_magics.cluster.records import RankFailure, RankOutput
+from ddp_magics.diagrams import Trace
+from ddp_magics.errors import DeadRank
+from ddp_magics.protocol import SKIP_BREAKPOINTS, TRACE_KEY
+from ddp_magics.stacks import BlockedRank
+
+POLL_SECONDS = 0.1
+LIVE_REFRESH_SECONDS = 0.5
+# A finished rank's trace is sent as its cell ends; its reply can overtake it by milliseconds.
+TRACE_ARRIVAL_SECONDS = 2.0
+# Why the wait for the ranks ended.
+DONE, TIMEOUT, AFTER_ERROR, INTERRUPTED = "done", "timeout", "error", "interrupt"
+
+
+@dataclass(frozen=True)
+class Waits:
+    """How long a cell may run, and the graces after a rank raised or after the stop button."""
+
+    timeout: float
+    error_grace: float
+    interrupt_grace: float
+    live_view_after: float  # no ticks before this
+
+
+@dataclass(frozen=True)
+class Tick:
+    """The cell is running: what the ranks have shown so far."""
+
+    outputs: list[RankOutput]
+    pending: list[int]
+    elapsed: float
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A rank waits at its pdb prompt. Send back the line typed, or None where no input can be
+    read (the rank then skips this cell's breakpoints)."""
+
+    rank: int
+    output: str  # what pdb printed before its prompt
+    console: bool  # pdb's ``interact``: a Python prompt
+    can_answer: bool  # False once the front end gave no input, or if it takes none
+    others: dict[str, list[int]] = field(default_factory=dict)  # at a rank's first prompt: place -> ranks
+
+
+@dataclass(frozen=True)
+class CellOutcome:
+    """How the cell ended on every rank it ran on."""
+
+    ranks: list[int]
+    ended: str  # DONE, TIMEOUT, AFTER_ERROR or INTERRUPTED
+    timeout: float  # the cell's timeout
+    outputs: list[RankOutput]
+    failures: list[RankFailure]  # ranks that raised (not those that died)
+    dead: list[int]  # ranks whose engine process ended
+    deaths: list[DeadRank]
+    blocked: list[BlockedRank]  # ranks still running, and where
+    trace: Trace | None  # when traced
+
+    @property
+    def clean(self) -> bool:
+        return not (self.failures or self.dead or self.blocked)
+
+    @property
+    def finished(self) -> list[int]:
+        ended_badly = {failure.rank for failure in self.failures} | set(self.dead)
+        ended_badly |= {blocked.rank for blocked in self.blocked}
+        return [rank for rank in self.ranks if rank not in ended_badly]
+
+
+class CellRun:
+    """One cell sent to ``ranks``; see the module's docstring."""
+
+    def __init__(
+        self,
+        cluster: RankCluster,
+        cell: str,
+        ranks: list[int],
+        cell_number: int,
+        waits: Waits,
+        trace_values_limit: int | None = None,
+        input_allowed: bool = True,
+    ) -> None:
+        """Send the cell (traced, keeping values of up to ``trace_values_limit`` elements, when
+        that is not None); a ClusterError if tracing could not start."""
+        self.cluster = cluster
+        self.cell = cell
+        self.ranks = ranks
+        self.waits = waits
+        self.traced = trace_values_limit is not None
+        self._no_input = not input_allowed
+        self._quitting: set[int] = set()  # ranks sent q by the stop button at their prompt
+        if self.traced:
+            cluster.start_trace(ranks, trace_values_limit)
+        self.answers: CellAnswers = cluster.run_cell(cell, ranks, cell_number)
+
+    def steps(self) -> Generator[Tick | Prompt, str | None, CellOutcome]:
+        ended = yield from self._wait()
+        return self._outcome(ended)
+
+    def _wait(self) -> Generator[Tick | Prompt, str | None, str]:
+        answers, waits = self.answers, self.waits
+        started = time.monotonic()
+        failed_since = None
+        last_tick = 0.0
+        try:
+            while not answers.wait(POLL_SECONDS):
+                prompt = answers.next_debugger_prompt()
+                if prompt is not None:
+                    paused = time.monotonic()
+                    yield from self._serve(*prompt)
+                    paused = time.monotonic() - paused
+                    started += paused
+                    failed_since = None if failed_since is None else failed_since + paused
+                    continue
+                now = time.monotonic()
+                if failed_since is None and answers.any_failed():
+                    failed_since = now
+                if failed_since is not None and now - failed_since > waits.error_grace:
+                    return AFTER_ERROR
+                if now - started > waits.timeout:
+                    return TIMEOUT
+                if now - started > waits.live_view_after and now - last_tick > LIVE_REFRESH_SECONDS:
+                    yield Tick(answers.outputs(), answers.pending_ranks(), now - started)
+                    last_tick = now
+            return DONE
+        except KeyboardInterrupt:
+            # A rank whose pdb was just quit ends by itself: an interrupt would cut its error short.
+            pending = [rank for rank in answers.pending_ranks() if rank not in self._quitting]
+            if pending:
+                self.cluster.interrupt(pending)
+            answers.wait(waits.interrupt_grace)
+            return INTERRUPTED
+
+    def _serve(self, rank: int, prompt) -> Generator[Prompt, str | None, None]:
+        """Hand the line typed for ``rank``'s prompt to its pdb; ranks stopped together are
+        served in rank order. Without input its breakpoints are skipped for this cell."""
+        others = {} if self._no_input or prompt.number != 1 else self._where_the_others_are(rank)
+        try:
+            line = yield Prompt(rank, prompt.output, prompt.console, not self._no_input, others)
+        except KeyboardInterrupt:  # the stop button at the prompt: end debugging and the cell
+            self.cluster.debugger_input(rank, "q")
+            self._quitting.add(rank)
+            raise
+        if line is None:
+            self._no_input = True
+            line = SKIP_BREAKPOINTS
+        self.cluster.debugger_input(rank, line)
+
+    def _where_the_others_are(self, stopped: int) -> dict[str, list[int]]:
+        """As a rank first stops in pdb: where the ranks still running are, by place."""
+        others = [rank for rank in self.answers.pending_ranks() if rank != stopped]
+        dumps = self.cluster.inspect(self.answers, others, wait=1.0) if others else {}
+        places: dict[str, list[int]] = {}
+        for rank in others:
+            blocked = BlockedRank.from_dump(rank, dumps[rank].stack if rank in dumps else None, self.cell)
+            places.setdefault(blocked.where(), []).append(rank)
+        return places
+
+    def _outcome(self, ended: str) -> CellOutcome:
+        answers, cluster = self.answers, self.cluster
+        pending = answers.pending_ranks()
+        if not pending:
+            answers.wait_for_last_output(timeout=5)
+        failures = answers.failures()
+        # A rank that died mid-cell answers with an EngineError; it is reported as dead, not as raising.
+        dead = [rank for rank in cluster.dead_ranks() if rank in self.ranks] if pending or failures else []
+        alive_pending = [rank for rank in pending if rank not in dead]
+        inspections = cluster.inspect(answers, alive_pending) if alive_pending else {}
+        trace = self._trace(pending, dead, inspections) if self.traced else None
+        return CellOutcome(
+            ranks=self.ranks,
+            ended=ended,
+            timeout=self.waits.timeout,
+            outputs=answers.outputs(),
+            failures=[failure for rank, failure in failures.items() if rank not in dead],
+            dead=dead,
+            deaths=[self._death(rank) for rank in dead],
+            blocked=[
+                BlockedRank.from_dump(
+                    rank,
+                    inspections[rank].stack if rank in inspections else None,
+                    self.cell,
+                    traced_call=_traced_call(trace, rank),
+                )
+                for rank in alive_pending
+            ],
+            trace=trace,
+        )
+
+    def _death(self, rank: int) -> DeadRank:
+        how, crash_dump = self.cluster.death_record(rank)
+        crashed_at = BlockedRank.from_dump(rank, crash_dump, self.cell) if crash_dump else None
+        return DeadRank(rank, how, crashed_at)
+
+    def _trace(self, pending: list[int], dead: list[int], inspections: dict) -> Trace:
+        """The cell's trace: what finished ranks published as the cell ended, and what ranks
+        still running had recorded when inspected."""
+        events = {}
+        for rank in self.ranks:
+            if rank in inspections:
+                events[rank] = inspections[rank].events or []
+            elif rank in pending or rank in dead:
+                events[rank] = []
+            else:
+                events[rank] = self.answers.published(rank, TRACE_KEY, wait=TRACE_ARRIVAL_SECONDS) or []
+        return Trace(events, complete=not (pending or dead), lost=frozenset(dead))
+
+
+def _traced_call(trace: Trace | None, rank: int) -> str | None:
+    """``recv from rank 1`` for a rank blocked in a traced call."""
+    event = trace.in_progress(rank) if trace else None
+    return event.call() if event else None

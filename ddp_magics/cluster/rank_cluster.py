@@ -1,0 +1,233 @@
+"""One ipyparallel cluster whose engines are the ranks of a torch.distributed process group.
+
+The notebook side reaches the ranks only through :class:`RankCluster`. Nothing here prints or
+knows about IPython: progress goes to a callback, answers come back as plain records
+(:mod:`ddp_magics.cluster.records`), problems are raised as :class:`ClusterError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import time
+from collections.abc import Callable
+
+import psutil
+
+from ddp_magics import protocol
+from ddp_magics.cluster import process_group, recovery
+from ddp_magics.cluster.engines import SIGNAL_SECONDS, CellAnswers, Engines
+from ddp_magics.cluster.lifecycle import ClusterProcesses
+from ddp_magics.cluster.records import (
+    ENGINE_TIMEOUT_SECONDS,
+    ClusterConfig,
+    ClusterError,
+    RankInfo,
+    RankStatus,
+    Recovery,
+)
+from ddp_magics.cluster.strays import this_host
+from ddp_magics.engine import debugging, recorder
+from ddp_magics.lifetime import process_alive
+
+Progress = Callable[[str], None]
+DEATH_RECORD_SECONDS = 0.5
+
+
+def _no_progress(message: str) -> None:
+    pass
+
+
+class RankCluster:
+    """Start, run on, inspect, recover and stop a cluster as ``config`` describes it."""
+
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        self.n = config.n
+        self.backend: str | None = None  # "auto" resolved once the engines are probed
+        self.engines = Engines()
+        self._processes = ClusterProcesses(config, self.engines)
+
+    @property
+    def ranks(self) -> list[RankInfo]:
+        return self.engines.ranks
+
+    @property
+    def running(self) -> bool:
+        return self._processes.running
+
+    @property
+    def workdir(self):
+        return self._processes.workdir
+
+    @property
+    def forked_here(self) -> bool:
+        return self._processes.forked_here
+
+    @property
+    def restartable_in_place(self) -> bool:
+        return self._processes.restartable_in_place
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, progress: Progress = _no_progress) -> None:
+        if self.running:
+            raise ClusterError("this cluster is already running")
+        try:
+            self._processes.start(progress)
+            self._form_process_group(progress)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _form_process_group(self, progress: Progress) -> None:
+        self.backend = process_group.form(
+            self.engines,
+            self.n,
+            self.config.hosts,
+            self.config.backend,
+            self.config.pg_timeout,
+            self._processes.controller_address,
+            progress,
+        )
+
+    def restart(self, progress: Progress = _no_progress) -> None:
+        """New engines forming a new process group (the controller and zygotes stay)."""
+        try:
+            self._processes.replace_all_engines(self.n, progress)
+            self._form_process_group(progress)
+        except BaseException:
+            self.stop()
+            raise
+
+    def recover(
+        self,
+        unfinished: CellAnswers | None,
+        shrink: bool = False,
+        interrupt_grace: float = 3.0,
+        progress: Progress = _no_progress,
+    ) -> Recovery:
+        """Bring every rank back to a working default process group, keeping what each living
+        rank has defined: cut the old groups' connections (which ends a blocked collective),
+        interrupt ranks still running the ``unfinished`` cell, then re-form the group. A dead
+        rank is replaced by a new engine under its number, or, with ``shrink``, left out and
+        the others renumbered. A ClusterError, with the cluster left as it was, if a rank does
+        not stop or no rank lives."""
+        done = recovery.recover(self, unfinished, shrink, interrupt_grace, progress)
+        self.n = done.world_size
+        return done
+
+    def replace_engines(self, dead: list[int]) -> None:
+        """New engines for the ``dead`` ranks, on their hosts, assigned their rank numbers."""
+        known = {info.engine_id for info in self.ranks}
+        by_address = {host.address: host.location for host in self.config.hosts}
+        self._processes.start_engines_on([by_address.get(self.ranks[rank].address) for rank in dead])
+        fresh = self.engines.wait_for_new(known, len(dead), ENGINE_TIMEOUT_SECONDS)
+        probes = process_group.probe(self.engines, fresh, self._processes.controller_address)
+        waiting = {rank: self.ranks[rank] for rank in dead}
+        ranks = list(self.ranks)
+        for engine_id, probe in zip(fresh, probes):
+            rank = next((r for r, info in waiting.items() if info.address == probe.address), None)
+            if rank is None:
+                raise ClusterError(f"a new engine started on {probe.host}, where no dead rank was")
+            info = waiting.pop(rank)
+            ranks[rank] = dataclasses.replace(info, engine_id=engine_id, pid=probe.pid, host=probe.host)
+        self.engines.set_ranks(ranks)
+
+    def stop(self) -> None:
+        """Stop controller and engines and remove the cluster's files. Safe to call twice."""
+        self._processes.stop()
+
+    def processes(self) -> list[psutil.Process]:
+        """Controller, engines and their helper processes (nannies, schedulers) now running."""
+        return self._processes.processes()
+
+    # ---------------------------------------------------------------------- health
+    def dead_ranks(self) -> list[int]:
+        connected = self.engines.ids
+        return [
+            info.rank
+            for info in self.ranks
+            if info.engine_id not in connected or not (info.host != this_host() or process_alive(info.pid))
+        ]
+
+    def death_record(self, rank: int, wait: float = DEATH_RECORD_SECONDS) -> tuple[str | None, str | None]:
+        """How a dead rank's engine ended and the stack Python wrote as it crashed, as far as this
+        machine can tell (see :meth:`ClusterProcesses.death_record`)."""
+        return self._processes.death_record(self.ranks[rank].pid, wait)
+
+    def status(self) -> list[RankStatus]:
+        dead = set(self.dead_ranks())
+        return [RankStatus(info=info, alive=info.rank not in dead) for info in self.ranks]
+
+    # --------------------------------------------------------------------- running
+    def run_cell(self, code: str, ranks: list[int], cell_number: int) -> CellAnswers:
+        """Start running ``code`` on ``ranks`` as the notebook's cell ``cell_number``; returns at once."""
+        return self.engines.execute(protocol.numbered_cell(code, cell_number), ranks)
+
+    def start_trace(self, ranks: list[int], values_limit: int) -> None:
+        """Trace the next cell sent to ``ranks``; a ClusterError if a rank could not start it."""
+        self.engines.call_everywhere(
+            ranks, recorder.start_trace, values_limit, failing="tracing could not start"
+        )
+
+    def push(self, namespace: dict) -> None:
+        self.engines.push(namespace)
+
+    def pull(self, name: str) -> dict[int, object]:
+        return self.engines.pull(name)
+
+    def interrupt(self, ranks: list[int]) -> list[int]:
+        """SIGINT to ``ranks``; those whose engine did not confirm it (see :meth:`signal`)."""
+        return self.signal(signal.SIGINT, ranks)
+
+    def signal(self, signum: int, ranks: list[int], **timeout) -> list[int]:
+        """Send ``signum`` to ``ranks`` through their nannies; the ranks that did not confirm."""
+        return self.engines.signal(signum, ranks, **timeout)
+
+    def inspect(
+        self, run: CellAnswers, ranks: list[int], wait: float = 3.0
+    ) -> dict[int, protocol.Inspection]:
+        """Where ``ranks``, still running ``run``, are: every thread's stack and the calls traced
+        so far, even while blocked in C code (see :mod:`ddp_magics.engine.inspector`). Ranks that
+        do not answer within ``wait`` seconds are left out."""
+        before = {rank: run.published(rank, protocol.INSPECTION_KEY) for rank in ranks}
+        self.signal(protocol.STACK_DUMP_SIGNAL, ranks, timeout=wait)
+        answers: dict[int, protocol.Inspection] = {}
+        deadline = time.monotonic() + wait
+        while len(answers) < len(ranks) and time.monotonic() < deadline:
+            for rank in ranks:
+                answer = run.published(rank, protocol.INSPECTION_KEY)
+                if answer is not None and answer is not before[rank]:
+                    answers[rank] = answer
+            time.sleep(0.01)
+        return answers
+
+    # ------------------------------------------------------------------- debugging
+    def debugger_input(self, rank: int, line: str) -> None:
+        """Hand ``line`` to ``rank``'s pdb, waiting at a prompt in ``breakpoint()``."""
+        if not self.engines.control(rank, protocol.DEBUGGER_INPUT_REQUEST, {"line": line}):
+            raise ClusterError(f"rank {rank} took no debugger line within {SIGNAL_SECONDS:g} s")
+
+    def start_post_mortem(self, rank: int) -> str:
+        """Open pdb where ``rank``'s last cell raised; what pdb shows first (a ClusterError if no
+        cell raised there)."""
+        opened, shown = self.engines.call([rank], debugging.start_post_mortem)[rank]
+        if not opened:
+            raise ClusterError(f"rank {rank}: {shown}")
+        return shown
+
+    def post_mortem_commands(self, rank: int, commands: list[str]) -> tuple[str, bool]:
+        """Run pdb commands in ``rank``'s open post-mortem: what they printed, whether it is still open."""
+        return self.engines.call([rank], debugging.post_mortem_commands, commands)[rank]
+
+    def end_post_mortem(self, rank: int) -> None:
+        self.engines.call([rank], debugging.end_post_mortem)
+
+    def snapshots(self, ranks: list[int], expression: str) -> dict[int, protocol.ValueSnapshot]:
+        """``expression`` evaluated on each of ``ranks``, as values to compare (``%dist_diff``); a
+        ClusterError naming the first rank where it raised."""
+        answers = self.engines.call(ranks, debugging.snapshot, expression)
+        for rank, answer in answers.items():
+            if isinstance(answer, str):
+                raise ClusterError(f"rank {rank}: {answer}")
+        return answers

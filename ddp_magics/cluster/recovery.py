@@ -1,0 +1,146 @@
+"""Getting every rank back to a working default process group, keeping what each living rank has
+defined: the old groups' connections are cut (which ends a blocked collective), ranks still
+running are interrupted, dead ranks replaced (or left out), and a new group forms."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from ddp_magics import protocol
+from ddp_magics.cluster import process_group
+from ddp_magics.cluster.engines import SIGNAL_SECONDS, CellAnswers
+from ddp_magics.cluster.records import ClusterError, Recovery
+from ddp_magics.engine import rank as rank_code
+from ddp_magics.stacks import formatting_an_error, in_a_collective, parse_stack_dump
+
+if TYPE_CHECKING:
+    from ddp_magics.cluster.rank_cluster import Progress, RankCluster
+
+# After their connections are cut, ranks blocked in a collective end within milliseconds (plus
+# IPython formatting their error, longer on a loaded machine); a rank still running after this
+# is running Python (or C code) of its own, and is interrupted.
+CUT_WAIT_SECONDS = 1.0
+
+
+def recover(
+    cluster: RankCluster,
+    unfinished: CellAnswers | None,
+    shrink: bool,
+    interrupt_grace: float,
+    progress: Progress,
+) -> Recovery:
+    """See :meth:`RankCluster.recover`."""
+    dead = cluster.dead_ranks()
+    alive = [rank for rank in range(cluster.n) if rank not in dead]
+    if not alive:
+        raise ClusterError("every rank is dead; %dist_restart starts new ones")
+    progress("cutting the process groups' connections")
+    # Just after a network outage, TCP resends only when its back-off timer fires (up to as
+    # long as the outage was): ranks on other hosts get as long as a link may be lost.
+    answer_seconds = SIGNAL_SECONDS if cluster.forked_here else cluster.config.link_loss_seconds
+    unreachable = cluster.signal(protocol.CUT_CONNECTIONS_SIGNAL, alive, timeout=answer_seconds)
+    if unreachable:
+        hosts = sorted({cluster.ranks[rank].host for rank in unreachable})
+        raise ClusterError(
+            f"{protocol.rank_label(unreachable)} on {', '.join(hosts)} did not answer within "
+            f"{answer_seconds:g} s (host unreachable?); try again once the network is back, or "
+            "%dist_restart for new engines"
+        )
+    interrupted = []
+    if unfinished is not None:
+        interrupted = _stop_the_cell(cluster, unfinished, alive, answer_seconds, interrupt_grace, progress)
+    renumbered: dict[int, int] = {}
+    if dead and shrink:
+        renumbered = {old: new for new, old in enumerate(alive)}
+        cluster.engines.set_ranks(
+            [dataclasses.replace(cluster.ranks[old], rank=new) for old, new in renumbered.items()]
+        )
+        renumbered = {old: new for old, new in renumbered.items() if old != new}
+    elif dead:
+        progress(f"starting {len(dead)} engines for {protocol.rank_label(dead)}")
+        cluster.replace_engines(dead)
+    progress(f"re-forming the {cluster.backend} process group")
+    new = set() if shrink else set(dead)
+    answers = process_group.join(
+        cluster.engines,
+        cluster.backend,
+        cluster.config.pg_timeout,
+        lambda info: rank_code.setup_rank if info.rank in new else rank_code.rejoin_process_group,
+    )
+    rejoined = {rank: answer for rank, answer in answers.items() if isinstance(answer, protocol.Rejoined)}
+    return Recovery(
+        world_size=len(cluster.ranks),
+        replaced=[] if shrink else dead,
+        dropped=dead if shrink else [],
+        renumbered=renumbered,
+        interrupted=interrupted,
+        stale={rank: answer.stale for rank, answer in rejoined.items() if answer.stale},
+        cut_peers={rank: answer.cut_peers for rank, answer in rejoined.items()},
+    )
+
+
+def _stop_the_cell(
+    cluster: RankCluster,
+    unfinished: CellAnswers,
+    alive: list[int],
+    answer_seconds: float,
+    interrupt_grace: float,
+    progress: Progress,
+) -> list[int]:
+    """After the cut: the ranks still running the ``unfinished`` cell are cut again (if still in
+    a collective) or interrupted (if running Python); the ranks interrupted."""
+    busy = unfinished.pending_among(alive, CUT_WAIT_SECONDS)
+    interrupted = []
+    if busy:
+        stacks = {
+            rank: parse_stack_dump(dump.stack) for rank, dump in cluster.inspect(unfinished, busy).items()
+        }
+        # faulthandler answers the cut as it answers a stack dump, and drops a signal that
+        # comes while it is writing a dump (a stack-dump request held up by a network
+        # outage reaches a rank together with the cut): a rank its dump shows still in a
+        # collective gets the cut again, now that its dump is written.
+        blocked = [rank for rank in busy if rank in stacks and in_a_collective(stacks[rank])]
+        if blocked:
+            cluster.signal(protocol.CUT_CONNECTIONS_SIGNAL, blocked, timeout=answer_seconds)
+            still = unfinished.pending_among(blocked, CUT_WAIT_SECONDS)
+            busy = [rank for rank in busy if rank not in blocked or rank in still]
+        # A rank whose collective the cut ended may still be formatting its error (slow on
+        # a loaded machine): its stack says so, and it is left to finish.
+        interrupted = [rank for rank in busy if rank not in stacks or not formatting_an_error(stacks[rank])]
+    if interrupted:
+        progress(f"interrupting {protocol.rank_label(interrupted)}")
+        cluster.interrupt(interrupted)
+    if busy:
+        stuck = unfinished.pending_among(alive, interrupt_grace)
+        if stuck:
+            _wait_for_far_answers(cluster, unfinished, stuck, interrupt_grace, progress)
+    return interrupted
+
+
+def _wait_for_far_answers(
+    cluster: RankCluster, run: CellAnswers, stuck: list[int], interrupt_grace: float, progress: Progress
+) -> None:
+    """Ranks still running ``run`` after an interrupt: a ClusterError at once if every engine
+    is on this machine. Ranks on other hosts may have stopped while their answer waits for
+    a connection to come back after a network outage (TCP resends only after a back-off, up
+    to as long as the outage): they get up to ``link_loss_seconds``. (Their stacks cannot
+    tell: a stack dump asked for during the outage may arrive only now, taken before the
+    cut.)"""
+    if cluster.forked_here:
+        raise ClusterError(
+            f"{protocol.rank_label(stuck)} did not stop within {interrupt_grace:g} s of an "
+            "interrupt (stuck in C code that ignores signals?); %dist_restart starts new "
+            "engines (every rank's state is lost)"
+        )
+    link_loss = cluster.config.link_loss_seconds
+    hosts = ", ".join(sorted({cluster.ranks[rank].host for rank in stuck}))
+    progress(f"waiting for {protocol.rank_label(stuck)} on {hosts} to answer (a link coming back?)")
+    silent = run.pending_among(stuck, link_loss)
+    if silent:
+        raise ClusterError(
+            f"{protocol.rank_label(silent)} on {hosts} did not stop within "
+            f"{interrupt_grace + link_loss:g} s of an interrupt (stuck in C code that "
+            "ignores signals, or still cut off?); try again once the network is back, or "
+            "%dist_restart for new engines (every rank's state is lost)"
+        )

@@ -1,0 +1,112 @@
+"""What the magics tell the user in words: the start summary, the recovery report, and a cell's
+failure (:class:`~ddp_magics.errors.DistributedCellError`) built from its outcome."""
+
+from __future__ import annotations
+
+import re
+
+from ddp_magics.cell_run import INTERRUPTED, TIMEOUT, CellOutcome
+from ddp_magics.cluster.rank_cluster import RankCluster
+from ddp_magics.cluster.records import RankFailure, Recovery
+from ddp_magics.errors import DistributedCellError
+from ddp_magics.protocol import rank_label
+
+
+def start_summary(cluster: RankCluster) -> str:
+    devices = [info.device for info in cluster.ranks]
+    same = len(set(devices)) == 1
+    device_text = f"{devices[0]} x{len(devices)}" if same else ", ".join(devices)
+    return (
+        f"{cluster.n} ranks ready: backend {cluster.backend}, world size {cluster.n}, devices {device_text}"
+    )
+
+
+def recovery_report(recovery: Recovery, backend: str) -> str:
+    """What %dist_recover did and what the user must redo, in a few lines."""
+    lines = [
+        f"Recovered: a new {backend} process group of "
+        f"{recovery.world_size} ranks; every living rank kept its variables."
+    ]
+    if recovery.interrupted:
+        lines.append(f"{rank_label(recovery.interrupted)}: still running after the cut, so interrupted.")
+    if recovery.replaced:
+        label = rank_label(recovery.replaced)
+        lines.append(
+            f"{label} died and {'was' if len(recovery.replaced) == 1 else 'were'} replaced by a new "
+            f"engine with nothing defined: run your set-up cells again on it "
+            f"(%%distributed --ranks {','.join(map(str, recovery.replaced))}), then copy the state from "
+            "a healthy rank, e.g. `for t in model.state_dict().values(): dist.broadcast(t, src=0)`."
+        )
+    if recovery.dropped:
+        moved = ", ".join(f"{old} is now {new}" for old, new in recovery.renumbered.items())
+        lines.append(
+            f"Went on without {rank_label(recovery.dropped)}"
+            + (f"; rank {moved}" if moved else "")
+            + ": `rank` and `world_size` are updated on every rank."
+        )
+    by_names: dict[tuple[tuple[str, str], ...], list[int]] = {}
+    for rank, names in recovery.stale.items():
+        by_names.setdefault(names, []).append(rank)
+    for names, ranks in by_names.items():
+        listed = ", ".join(f"{name} ({kind})" for name, kind in names)
+        verb, them = ("holds", "it") if len(names) == 1 else ("hold", "them")
+        lines.append(
+            f"Stale on {rank_label(ranks)}: {listed} {verb} the old process group; make {them} again "
+            f"(dist.new_group, DDP(...), ...) before using {them}."
+        )
+    return "\n".join(lines)
+
+
+def no_calls_message(outcome: CellOutcome) -> str:
+    """Why ``--diagram`` has nothing to draw."""
+    if outcome.failures or outcome.dead:
+        return "--diagram: nothing to draw: the cell raised before any torch.distributed call"
+    return "--diagram: the cell made no torch.distributed calls"
+
+
+def cell_error(
+    outcome: CellOutcome, stale: dict[int, tuple[tuple[str, str], ...]], cut_peers: frozenset[str]
+) -> DistributedCellError:
+    """The failure of a cell that did not end cleanly on every rank; ``stale`` and ``cut_peers``
+    are what the last %dist_recover left (names holding old groups, the connections it cut)."""
+    return DistributedCellError(
+        failures=[_shown(failure, stale.get(failure.rank, ()), cut_peers) for failure in outcome.failures],
+        blocked=outcome.blocked,
+        finished=outcome.finished,
+        dead=outcome.dead,
+        deaths=outcome.deaths,
+        timeout=outcome.timeout if outcome.ended == TIMEOUT else None,
+        interrupted=outcome.ended == INTERRUPTED,
+        usable=not (outcome.blocked or outcome.dead),
+        mismatches=[mismatch.message for mismatch in outcome.trace.mismatches] if outcome.trace else [],
+    )
+
+
+# torch 2.13 (distributed_c10d.get_backend, which collectives call) for a group destroyed by
+# %dist_recover: "Process group <...ProcessGroup object at 0x...> is not initialized in the
+# world group map. Please initialize the group first."
+_DESTROYED_GROUP = re.compile(r"Process group <.*?> is not initialized in the world group map")
+# gloo (pair.cc), when C++ that holds an old group (DDP's reducer) uses a connection recovery cut.
+_CLOSED_CONNECTION = re.compile(r"Connection closed by peer (\[[^\]]*\]:\d+)")
+
+
+def _shown(
+    failure: RankFailure, stale: tuple[tuple[str, str], ...], cut_peers: frozenset[str]
+) -> RankFailure:
+    """A failure as the report shows it: ``q`` at a prompt without a traceback (the user ended
+    the cell there), a use of a process group that %dist_recover destroyed as one line naming
+    what holds old groups on that rank, any other failure unchanged."""
+    if failure.ename == "DebuggerQuit":
+        return RankFailure(rank=failure.rank, ename=failure.ename, evalue=failure.evalue, traceback="")
+    closed = _CLOSED_CONNECTION.search(failure.evalue)
+    if not (_DESTROYED_GROUP.search(failure.evalue) or (closed and closed[1] in cut_peers)):
+        return failure
+    names = ", ".join(name for name, _ in stale)
+    return RankFailure(
+        rank=failure.rank,
+        ename="StaleProcessGroup",
+        evalue="this uses a process group from before %dist_recover"
+        + (f" (stale here: {names})" if names else "")
+        + "; make it again (dist.new_group, DDP(...), ...)",
+        traceback="",
+    )

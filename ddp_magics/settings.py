@@ -1,0 +1,113 @@
+"""The magics' settings, each with its default and validated beside it: ``%config
+DistributedMagics.cell_timeout = 120``. :class:`~ddp_magics.magics.DistributedMagics` is a
+:class:`Settings`; the cluster is configured from them (:func:`ddp_magics.arguments.start_config`)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from traitlets import Bool, Dict, Enum, Float, Integer, List, TraitError, Unicode, validate
+from traitlets.config import Configurable
+
+from ddp_magics import arguments
+from ddp_magics.cluster.records import BACKENDS, LAUNCHERS
+
+
+class Settings(Configurable):
+    """Defaults of %dist_start and %%distributed, and how cells are waited for and shown."""
+
+    default_world_size = Integer(
+        None,
+        allow_none=True,
+        config=True,
+        help="Ranks %dist_start starts without -n (default: visible GPUs, else 2).",
+    )
+    backend = Enum(BACKENDS, "auto", config=True, help="Backend %dist_start uses without --backend.")
+    cell_timeout = Float(
+        60.0, config=True, help="Seconds a %%distributed cell may run before its ranks are reported."
+    )
+    process_group_timeout = Float(
+        1800.0, config=True, help="torch.distributed timeout for collectives (seconds)."
+    )
+    error_grace = Float(
+        5.0,
+        config=True,
+        help="After a rank raises, seconds to wait for the other ranks before reporting where they are.",
+    )
+    interrupt_grace = Float(
+        3.0, config=True, help="Seconds interrupted ranks get to stop before being reported."
+    )
+    collapse_identical = Bool(
+        True, config=True, help="Show ranks with identical output as one block ([ranks 0-3])."
+    )
+    max_output_lines = Integer(
+        200, config=True, help="Lines kept per rank and stream; earlier ones are counted, not shown."
+    )
+    live_view_after = Float(
+        1.0, config=True, help="Seconds after which a running cell shows its ranks' progress."
+    )
+    heartbeat_ms = Integer(
+        100,
+        config=True,
+        help="ipyparallel heartbeat period (ms); an engine silent for 3 s is dead whatever the period.",
+    )
+    link_loss_tolerance = Float(
+        30.0,
+        config=True,
+        help="Seconds ranks on other hosts may go unheard (a network blip) before they count as dead "
+        "(their lifeline to the kernel ends them after about 30 s without a link anyway).",
+    )
+    trace_values_limit = Integer(
+        16, config=True, help="Traced tensors with at most this many elements keep their values."
+    )
+    max_local_ranks = Integer(
+        max(64, 8 * (os.cpu_count() or 1)),
+        config=True,
+        help="Most ranks %dist_start runs on this machine (local engines), each a Python process with torch.",
+    )
+    engines = Enum(
+        LAUNCHERS,
+        "local",
+        config=True,
+        help="ipyparallel engine launcher %dist_start uses without --engines: local, ssh, mpi, slurm.",
+    )
+    controller_ip = Unicode(
+        None,
+        allow_none=True,
+        config=True,
+        help="Address the controller listens on without --ip (default: 127.0.0.1 for local "
+        "engines, else the address of this host that the hosts are reached from).",
+    )
+    ssh_command = List(Unicode(), ["ssh"], config=True, help="ssh command (and options) for --engines ssh.")
+    remote_python = Unicode(
+        sys.executable,
+        config=True,
+        help="Python that runs the engines on other hosts (by default this one's path).",
+    )
+    launcher_settings = Dict(
+        config=True,
+        help="ipyparallel launcher settings, by class: "
+        "{'SlurmEngineSetLauncher': {'account': 'proj', 'timelimit': '1:00:00'}}.",
+    )
+    mpi_command = List(
+        Unicode(), [], config=True, help="mpiexec command for --engines mpi (default: the mpi extra's MPICH)."
+    )
+
+    @validate("cell_timeout", "process_group_timeout", "link_loss_tolerance")
+    def _usable_timeout(self, proposal):
+        return self._checked(proposal, arguments.timeout_problem(proposal.value))
+
+    @validate("error_grace", "interrupt_grace", "live_view_after")
+    def _usable_wait(self, proposal):
+        return self._checked(proposal, arguments.wait_problem(proposal.value))
+
+    @validate(*arguments.COUNT_LIMITS)
+    def _count_in_range(self, proposal):
+        return self._checked(proposal, arguments.count_problem(proposal.trait.name, proposal.value))
+
+    @staticmethod
+    def _checked(proposal, problem: str | None):
+        if problem:
+            raise TraitError(f"DistributedMagics.{proposal.trait.name} = {proposal.value!r}: {problem}")
+        return proposal.value
