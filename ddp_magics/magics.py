@@ -13,7 +13,7 @@ import html
 import re
 from collections.abc import Callable
 
-from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class, no_var_expand
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from ddp_magics import arguments, cell_view, reports
@@ -211,6 +211,7 @@ class DistributedMagics(Magics, Settings):
     @argument("--timeout", type=float, default=None, help="seconds before a hang is reported")
     @argument("--diagram", action="store_true", help="draw the torch.distributed calls the cell made")
     @argument("--trace", metavar="NAME", default=None, help="keep the cell's trace in variable NAME")
+    @no_var_expand
     @cell_magic
     def distributed(self, line: str, cell: str) -> None:
         """Run the cell on every rank (or --ranks) and show the output in rank order.
@@ -320,6 +321,7 @@ class DistributedMagics(Magics, Settings):
     @magic_arguments()
     @argument("--rank", type=int, default=None, help="the rank to debug (default: the lowest that raised)")
     @argument("-c", dest="commands", default=None, help="pdb commands separated by ';', run without a prompt")
+    @no_var_expand
     @line_magic
     def dist_debug(self, line: str) -> None:
         """pdb post-mortem on a rank where the last failed cell raised, like IPython's %debug:
@@ -359,6 +361,7 @@ class DistributedMagics(Magics, Settings):
     @magic_arguments()
     @argument("expression", nargs="*", metavar="EXPR", help="a Python expression, evaluated on each rank")
     @argument("--ranks", default=None, help="ranks to compare, e.g. 0-1 (default: all); after EXPR")
+    @no_var_expand
     @line_magic
     def dist_diff(self, line: str) -> None:
         """Evaluate EXPR on every rank (or --ranks) and show where the ranks agree and where they

@@ -278,3 +278,21 @@ def test_torch_distributed_breakpoint_stops_the_chosen_rank(kernel4):
     assert prompts == ["(Pdb rank 2) "] * 3
     assert "Type 'up' to get to the frame that called dist.breakpoint(rank=2)" in text
     assert "[rank 2]\n102\n" in text and "past 3" in text
+
+
+def test_code_in_a_magic_line_reaches_the_ranks_as_typed(ip, healthy):
+    """IPython fills ``{x}`` and ``$x`` in a magic's line from the notebook's namespace unless the
+    magic opts out (as %debug, %timeit and %px do): %dist_diff and %dist_debug take code for the
+    ranks, which must see what was typed."""
+    ip.user_ns["x"] = "notebook_value"
+    _, error = run_cell(ip, "", "x = 10 * (rank + 1)")
+    assert error is None
+    shown = line_magic(ip, "dist_diff", "{x}")
+    assert shown.startswith("{x} (set) on ranks 0,1"), shown
+    with pytest.raises(UsageError) as refused:
+        ip.run_line_magic("dist_diff", "$x + 1")
+    assert str(refused.value).startswith("%dist_diff $x + 1: rank 0: SyntaxError"), str(refused.value)
+    _, error = run_cell(ip, "--ranks 1", "x = 7\nraise ValueError('look here')")
+    assert isinstance(error, DistributedCellError)
+    shown = line_magic(ip, "dist_debug", """-c "p {x}, '$x'" """)
+    assert "({7}, '$x')" in shown.splitlines(), shown
