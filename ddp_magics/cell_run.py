@@ -26,6 +26,8 @@ from ddp_magics.stacks import BlockedRank
 
 POLL_SECONDS = 0.1
 LIVE_REFRESH_SECONDS = 0.5
+# A rank's last output can arrive after its reply.
+OUTPUT_ARRIVAL_SECONDS = 5.0
 # A finished rank's trace is sent as its cell ends; its reply can overtake it by milliseconds.
 TRACE_ARRIVAL_SECONDS = 2.0
 # Why the wait for the ranks ended.
@@ -101,8 +103,7 @@ class CellRun:
         trace_values_limit: int | None = None,
         input_allowed: bool = True,
     ) -> None:
-        """Send the cell (traced, keeping values of up to ``trace_values_limit`` elements, when
-        that is not None); a ClusterError if tracing could not start."""
+        """Send the cell (see :meth:`RankCluster.run_cell` for tracing and its errors)."""
         self.cluster = cluster
         self.cell = cell
         self.ranks = ranks
@@ -110,9 +111,7 @@ class CellRun:
         self.traced = trace_values_limit is not None
         self._no_input = not input_allowed
         self._quitting: set[int] = set()  # ranks sent q by the stop button at their prompt
-        if self.traced:
-            cluster.start_trace(ranks, trace_values_limit)
-        self.answers: CellAnswers = cluster.run_cell(cell, ranks, cell_number)
+        self.answers: CellAnswers = cluster.run_cell(cell, ranks, cell_number, trace_values_limit)
 
     def steps(self) -> Generator[Tick | Prompt, str | None, CellOutcome]:
         ended = yield from self._wait()
@@ -141,7 +140,8 @@ class CellRun:
                 if now - started > waits.timeout:
                     return TIMEOUT
                 if now - started > waits.live_view_after and now - last_tick > LIVE_REFRESH_SECONDS:
-                    yield Tick(answers.outputs(), answers.pending_ranks(), now - started)
+                    so_far = answers.collect()
+                    yield Tick(so_far.outputs, so_far.pending, now - started)
                     last_tick = now
             return DONE
         except KeyboardInterrupt:
@@ -179,10 +179,8 @@ class CellRun:
 
     def _outcome(self, ended: str) -> CellOutcome:
         answers, cluster = self.answers, self.cluster
-        pending = answers.pending_ranks()
-        if not pending:
-            answers.wait_for_last_output(timeout=5)
-        failures = answers.failures()
+        final = answers.collect(output_wait=OUTPUT_ARRIVAL_SECONDS)
+        pending, failures = final.pending, final.failures
         # A rank that died mid-cell answers with an EngineError; it is reported as dead, not as raising.
         dead = [rank for rank in cluster.dead_ranks() if rank in self.ranks] if pending or failures else []
         alive_pending = [rank for rank in pending if rank not in dead]
@@ -192,7 +190,7 @@ class CellRun:
             ranks=self.ranks,
             ended=ended,
             timeout=self.waits.timeout,
-            outputs=answers.outputs(),
+            outputs=final.outputs,
             failures=[failure for rank, failure in failures.items() if rank not in dead],
             dead=dead,
             deaths=[self._death(rank) for rank in dead],

@@ -19,10 +19,6 @@ class LiveView:
         self.enabled = enabled
         self._widget = None
 
-    @property
-    def shown(self) -> bool:
-        return self._widget is not None
-
     def update(self, html: str) -> None:
         if not self.enabled:
             return

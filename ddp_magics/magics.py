@@ -20,7 +20,7 @@ from ddp_magics import arguments, cell_view, reports
 from ddp_magics.cell_run import CellRun, Waits
 from ddp_magics.cluster.engines import CellAnswers
 from ddp_magics.cluster.rank_cluster import Progress, RankCluster
-from ddp_magics.cluster.records import BACKENDS, LAUNCHERS, ClusterConfig, ClusterError
+from ddp_magics.cluster.records import BACKENDS, LAUNCHERS, ClusterConfig, ClusterError, DeadRanks
 from ddp_magics.cluster.strays import stop_stray_clusters
 from ddp_magics.diff import describe_differences
 from ddp_magics.errors import RESTART_ADVICE, usage_error
@@ -193,6 +193,10 @@ class DistributedMagics(Magics, Settings):
         self._stale, self._cut_peers = done.stale, frozenset().union(*done.cut_peers.values())
         print(reports.recovery_report(done, cluster.backend))
 
+    @staticmethod
+    def _dead(ranks: list[int]) -> Exception:
+        return usage_error(f"{rank_label(ranks)} died (engine process gone). {RESTART_ADVICE}")
+
     def _no_cluster(self) -> Exception:
         if self._restart_failed:
             return usage_error(
@@ -227,7 +231,7 @@ class DistributedMagics(Magics, Settings):
         if args.trace is not None:
             arguments.variable_name("--trace", args.trace)
         timeout = arguments.timeout_or("--timeout", args.timeout, self.cell_timeout)
-        cluster = self._ready_cluster()
+        cluster = self._ready_cluster(check_dead=False)  # sending the cell checks
         ranks = arguments.chosen_ranks(args.ranks, cluster.n)
         traced = args.diagram or args.trace is not None
         waits = Waits(timeout, self.error_grace, self.interrupt_grace, self.live_view_after)
@@ -241,6 +245,8 @@ class DistributedMagics(Magics, Settings):
                 trace_values_limit=self.trace_values_limit if traced else None,
                 input_allowed=self._input_allowed(),
             )
+        except DeadRanks as dead:
+            raise self._dead(dead.ranks) from None
         except ClusterError as error:
             raise usage_error(f"--trace/--diagram: {error}") from None
         outcome = cell_view.follow(run.steps(), LiveView(self._in_kernel()))
@@ -253,13 +259,13 @@ class DistributedMagics(Magics, Settings):
             self._last_raised = sorted(failure.rank for failure in outcome.failures)
             raise reports.cell_error(outcome, self._stale, self._cut_peers)
 
-    def _ready_cluster(self) -> RankCluster:
+    def _ready_cluster(self, check_dead: bool = True) -> RankCluster:
         """The running cluster, if every rank can take a new cell."""
         if self.cluster is None:
             raise self._no_cluster()
-        dead = self.cluster.dead_ranks()
+        dead = self.cluster.dead_ranks() if check_dead else []
         if dead:
-            raise usage_error(f"{rank_label(dead)} died (engine process gone). {RESTART_ADVICE}")
+            raise self._dead(dead)
         if self._unfinished is not None:
             busy = self._unfinished.pending_ranks()
             if busy:

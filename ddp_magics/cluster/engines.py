@@ -12,6 +12,7 @@ import logging
 import signal
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import ipyparallel as ipp
 from ipyparallel.error import CompositeError
@@ -33,6 +34,15 @@ CLUSTER_LOG = logging.getLogger("ddp_magics.ipyparallel")
 CLUSTER_LOG.setLevel(logging.ERROR)
 
 
+@dataclass(frozen=True)
+class Answers:
+    """What the ranks of a cell have answered at one moment."""
+
+    pending: list[int]  # ranks still running it
+    failures: dict[int, RankFailure]  # ranks that raised (or died: RankFailure.engine_died)
+    outputs: list[RankOutput]  # every rank's, in rank order
+
+
 class CellAnswers:
     """What each rank has answered so far to one cell sent to it."""
 
@@ -50,9 +60,12 @@ class CellAnswers:
         """Whether every rank has replied within ``timeout`` seconds."""
         return self._result.wait(timeout)
 
-    def wait_for_last_output(self, timeout: float) -> None:
-        """Replies can come before the last output of a rank: wait for that output too."""
-        self._result.wait_for_output(timeout=timeout)
+    def collect(self, output_wait: float = 0.0) -> Answers:
+        """Everything answered so far, in one record. Replies can come before the last output of
+        a rank: once every rank has replied, up to ``output_wait`` seconds go to that output."""
+        if output_wait and not self.pending_ranks():
+            self._result.wait_for_output(timeout=output_wait)
+        return Answers(self.pending_ranks(), self.failures(), self.outputs())
 
     def pending_ranks(self) -> list[int]:
         return [rank for rank, answer in self._answers.items() if answer["status"] is None]

@@ -22,6 +22,7 @@ from ddp_magics.cluster.records import (
     ENGINE_TIMEOUT_SECONDS,
     ClusterConfig,
     ClusterError,
+    DeadRanks,
     RankInfo,
     RankStatus,
     Recovery,
@@ -160,15 +161,21 @@ class RankCluster:
         return [RankStatus(info=info, alive=info.rank not in dead) for info in self.ranks]
 
     # --------------------------------------------------------------------- running
-    def run_cell(self, code: str, ranks: list[int], cell_number: int) -> CellAnswers:
-        """Start running ``code`` on ``ranks`` as the notebook's cell ``cell_number``; returns at once."""
+    def run_cell(
+        self, code: str, ranks: list[int], cell_number: int, trace_values_limit: int | None = None
+    ) -> CellAnswers:
+        """Start running ``code`` on ``ranks`` as the notebook's cell ``cell_number`` (traced,
+        keeping the values of tensors of up to ``trace_values_limit`` elements, unless that is
+        None); returns at once. DeadRanks if a rank has died, a ClusterError if tracing could
+        not start."""
+        dead = self.dead_ranks()
+        if dead:
+            raise DeadRanks(dead)
+        if trace_values_limit is not None:
+            self.engines.call_everywhere(
+                ranks, recorder.start_trace, trace_values_limit, failing="tracing could not start"
+            )
         return self.engines.execute(protocol.numbered_cell(code, cell_number), ranks)
-
-    def start_trace(self, ranks: list[int], values_limit: int) -> None:
-        """Trace the next cell sent to ``ranks``; a ClusterError if a rank could not start it."""
-        self.engines.call_everywhere(
-            ranks, recorder.start_trace, values_limit, failing="tracing could not start"
-        )
 
     def push(self, namespace: dict) -> None:
         self.engines.push(namespace)

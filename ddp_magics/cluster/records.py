@@ -22,6 +22,14 @@ class ClusterError(RuntimeError):
     """The cluster could not do what was asked (start, reach a rank, ...)."""
 
 
+class DeadRanks(ClusterError):
+    """Ranks whose engine process is gone: nothing runs until they are replaced."""
+
+    def __init__(self, ranks: list[int]) -> None:
+        super().__init__(f"ranks {ranks} died")
+        self.ranks = ranks
+
+
 @dataclass(frozen=True)
 class HostSpec:
     """One entry of a host list: ``[user@]name[:port]`` (ipyparallel's SSH form) and its ranks."""
