@@ -1,16 +1,25 @@
 """Matching the ranks' traced calls (the notebook side of tracing).
 
 :class:`MatchedTrace` merges the ranks' events. It pairs each send with its recv, lines up each
-group's collectives by their order on every rank, names mismatches in plain words and orders
-everything into steps that :mod:`ddp_magics.diagrams` draws (its ``Trace`` is this one, drawable).
+group's collectives by their order on every rank, names mismatches in plain words
+(:mod:`ddp_magics.mismatches`) and orders everything into steps that :mod:`ddp_magics.diagrams`
+draws (its ``Trace`` is this one, drawable).
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass, field
 
+from ddp_magics.layering import longest_path
+from ddp_magics.mismatches import (
+    RECV_WITHOUT_SEND,
+    SEND_WITHOUT_RECV,
+    SIZE_MISMATCH,
+    Mismatch,
+    collective_mismatches,
+    transferred,
+)
 from ddp_magics.protocol import (
     ERROR,
     OPS,
@@ -164,30 +173,6 @@ class Repeat:
     first: int
     period: int
     times: int
-
-
-@dataclass(frozen=True)
-class Mismatch:
-    kind: str
-    message: str
-    events: tuple[TraceEvent, ...]  # the calls involved
-
-    @property
-    def ranks(self) -> tuple[int, ...]:
-        return tuple(sorted({event.rank for event in self.events}))
-
-    def involves(self, event: TraceEvent) -> bool:
-        return any(e.rank == event.rank and e.seq == event.seq for e in self.events)
-
-
-MISSING_CALL = "collective not called by every rank"
-DIFFERENT_OPS = "different collectives"
-DIFFERENT_SHAPES = "different shapes or dtypes"
-DIFFERENT_ROOTS = "different roots"
-DIFFERENT_REDUCE_OPS = "different reduce ops"
-SEND_WITHOUT_RECV = "send without recv"
-RECV_WITHOUT_SEND = "recv without send"
-SIZE_MISMATCH = "send and recv sizes differ"
 
 
 @dataclass
@@ -360,37 +345,7 @@ def _match_collectives(events, steps: list[Step], mismatches: list[Mismatch], lo
             step_events = {rank: calls[index] for rank, calls in per_rank.items() if index < len(calls)}
             step = Step(COLLECTIVE, step_events, group=group, index=index + 1, lost=lost)
             steps.append(step)
-            mismatches.extend(_collective_mismatches(step, traced=set(events) - lost))
-
-
-def _collective_mismatches(step: Step, traced: set[int]) -> list[Mismatch]:
-    found = []
-    events = step.events
-    nth = f"collective #{step.index} on {group_label(step.group)}"
-    missing = [rank for rank in step.missing if rank in traced]
-    if missing:
-        called = ", ".join(f"rank {r} called {e.what()} at {e.where()}" for r, e in sorted(events.items()))
-        found.append(
-            Mismatch(
-                MISSING_CALL,
-                f"{nth}: {called}; {rank_label(missing)} never called it",
-                tuple(events.values()),
-            )
-        )
-    if len({event.op for event in events.values()}) > 1:
-        called = ", ".join(f"rank {r} called {e.what()} at {e.where()}" for r, e in sorted(events.items()))
-        found.append(Mismatch(DIFFERENT_OPS, f"{nth}: {called}", tuple(events.values())))
-        return found  # shapes, roots and reduce ops of different ops are not comparable
-    for kind, describe in (
-        (DIFFERENT_SHAPES, lambda e: e.primary.layout if e.primary else None),
-        (DIFFERENT_ROOTS, lambda e: None if e.root is None else f"root rank {e.root}"),
-        (DIFFERENT_REDUCE_OPS, lambda e: e.reduce_op),
-    ):
-        seen = {rank: describe(event) for rank, event in sorted(events.items())}
-        if len(set(seen.values())) > 1:
-            detail = ", ".join(f"rank {rank} {text}" for rank, text in seen.items())
-            found.append(Mismatch(kind, f"{nth} ({step.op}): {kind}: {detail}", tuple(events.values())))
-    return found
+            mismatches.extend(collective_mismatches(step, traced=set(events) - lost))
 
 
 def _match_transfers(events, steps: list[Step], mismatches: list[Mismatch]) -> None:
@@ -411,7 +366,7 @@ def _match_transfers(events, steps: list[Step], mismatches: list[Mismatch]) -> N
         for send, recv in itertools.zip_longest(key_sends, key_recvs):
             if send and recv:
                 steps.append(Step(TRANSFER, {send.rank: send, recv.rank: recv}))
-                if send.primary and recv.primary and _transferred(send.primary) != _transferred(recv.primary):
+                if send.primary and recv.primary and transferred(send.primary) != transferred(recv.primary):
                     mismatches.append(
                         Mismatch(
                             SIZE_MISMATCH,
@@ -455,12 +410,6 @@ def _match_transfers(events, steps: list[Step], mismatches: list[Mismatch]) -> N
             )
 
 
-def _transferred(layout) -> tuple[int, str]:
-    """What a send moves, as the backend sees it: elements and dtype (shape () and (1,) agree:
-    torch's pipelining sends a scalar's metadata into a one-element buffer)."""
-    return math.prod(layout.shape), layout.dtype
-
-
 def _in_time_order(events: dict[int, list[TraceEvent]], steps: list[Step]) -> list[Step]:
     """Give every event a column and order the steps by it.
 
@@ -482,7 +431,7 @@ def _in_time_order(events: dict[int, list[TraceEvent]], steps: list[Step]) -> li
         if step.kind == TRANSFER and step.send and step.recv:
             send, recv = step.send, step.recv
             edges.append((node_of[(send.rank, send.seq)], node_of[(recv.rank, recv.seq)], 0))
-    columns = _longest_path(set(node_of.values()), edges)
+    columns = longest_path(set(node_of.values()), edges)
     for rank, rank_events in events.items():
         for position, event in enumerate(rank_events):
             key = (rank, event.seq)
@@ -490,26 +439,3 @@ def _in_time_order(events: dict[int, list[TraceEvent]], steps: list[Step]) -> li
     for step in steps:
         step.column = min(step.columns.values())
     return sorted(steps, key=lambda step: (step.column, step.ranks[0], step.kind))
-
-
-def _longest_path(nodes: set, edges: list[tuple[object, object, int]]) -> dict | None:
-    """Column of each node: the longest weighted path reaching it; None if the graph has a cycle."""
-    incoming = {node: 0 for node in nodes}
-    outgoing: dict[object, list[tuple[object, int]]] = {node: [] for node in nodes}
-    for source, target, weight in edges:
-        if source != target:
-            outgoing[source].append((target, weight))
-            incoming[target] += 1
-    column = {node: 0 for node in nodes}
-    ready = [node for node, count in incoming.items() if count == 0]
-    placed = 0
-    while ready:
-        node = ready.pop()
-        placed += 1
-        for target, weight in outgoing[node]:
-            column[target] = max(column[target], column[node] + weight)
-            incoming[target] -= 1
-            if incoming[target] == 0:
-                ready.append(target)
-    return column if placed == len(nodes) else None
-

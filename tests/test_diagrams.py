@@ -8,7 +8,7 @@ import pytest
 
 from ddp_magics.diagrams import Trace, draw_trace
 from ddp_magics.lessons import draw_op, simulated_trace
-from ddp_magics.matching import DIFFERENT_OPS
+from ddp_magics.mismatches import DIFFERENT_OPS
 from ddp_magics.protocol import DONE, TraceEvent
 
 INPUTS = [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]]

@@ -8,7 +8,7 @@ import os
 import pytest
 
 import ddp_magics
-from ddp_magics import matching as trace_module
+from ddp_magics import mismatches as trace_module
 from ddp_magics.errors import DistributedCellError
 from tests.conftest import run_cell
 

@@ -14,8 +14,10 @@ Every call becomes a :class:`~ddp_magics.protocol.TraceEvent` (plain, picklable 
 memory and published to the notebook (a data message of the cell, ``TRACE_KEY``) when the cell
 ends (IPython's ``post_execute``). A call made by a library is labelled with who made it
 (``DDP bucket 0``, ``DTensor``, ``broadcast_object_list``) and placed at the user's line that
-led to it (``loss.backward()``). The events of a cell that blocks in C code reach the notebook
-with the rank's stack, through :mod:`ddp_magics.engine.inspector`.
+led to it (``loss.backward()``), both read from its frames (:mod:`ddp_magics.engine.call_sites`).
+The events of a cell that blocks in C code reach the notebook with the rank's stack, through
+:mod:`ddp_magics.engine.inspector`. The ops traced are listed in :mod:`ddp_magics.engine.c10d_ops`,
+and their tensors described by :mod:`ddp_magics.engine.tensors`.
 
 Why not a ``TorchDispatchMode`` (as ``CommDebugMode`` is): it runs Python for every tensor op of
 the cell, which made a small DDP training step 1.7 times slower here; these kernels run only for
@@ -24,13 +26,13 @@ the process groups' own calls.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import threading
 import time
-import weakref
-from typing import NamedTuple
 
+from ddp_magics.engine.c10d_ops import API_OPS, C10D_OPS, C10dOp, reduce_op_name, work_of
+from ddp_magics.engine.call_sites import CallSites
+from ddp_magics.engine.tensors import TensorDescriptions, first_tensor
 from ddp_magics.protocol import (
     DEFAULT_VALUES_LIMIT,
     DONE,
@@ -40,82 +42,11 @@ from ddp_magics.protocol import (
     TRACE_KEY,
     WAIT,
     WAITING,
-    TensorInfo,
     TraceEvent,
 )
 
-
-class C10dOp(NamedTuple):
-    """Where a ``c10d::`` op's arguments are (positions in its schema, torch 2.13)."""
-
-    op: str  # the trace's name for it (the torch.distributed function that makes it)
-    group: int
-    inputs: int | None = None  # a tensor, a list of tensors or a list of lists
-    outputs: int | None = None
-    reduce_op: int | None = None
-    root: int | None = None  # a rank of the group
-    peer: int | None = None  # a rank of the group
-    tag: int | None = None
-    async_op: int | None = None  # the caller asked for a handle (None: the op has no such flag)
-
-    @property
-    def primary_in_outputs(self) -> bool:
-        """Its shape to compare across the group is its output's (a reduce-scatter's)."""
-        return self.op in ("reduce_scatter", "reduce_scatter_tensor")
-
-
-C10D_OPS: dict[str, C10dOp] = {
-    "allreduce_": C10dOp("all_reduce", 1, inputs=0, outputs=0, reduce_op=2, async_op=4),
-    "allreduce_coalesced_": C10dOp("all_reduce", 1, inputs=0, outputs=0, reduce_op=2, async_op=3),
-    "broadcast_": C10dOp("broadcast", 1, inputs=0, outputs=0, root=2, async_op=4),
-    "reduce_": C10dOp("reduce", 1, inputs=0, outputs=0, reduce_op=2, root=3, async_op=5),
-    "allgather_": C10dOp("all_gather", 2, inputs=1, outputs=0, async_op=3),
-    "allgather_coalesced_": C10dOp("all_gather", 2, inputs=1, outputs=0, async_op=3),
-    "_allgather_base_": C10dOp("all_gather_into_tensor", 2, inputs=1, outputs=0, async_op=3),
-    "allgather_into_tensor_coalesced_": C10dOp("all_gather_into_tensor", 2, inputs=1, outputs=0, async_op=3),
-    "gather_": C10dOp("gather", 2, inputs=1, outputs=0, root=3, async_op=4),
-    "scatter_": C10dOp("scatter", 2, inputs=1, outputs=0, root=3, async_op=4),
-    "reduce_scatter_": C10dOp("reduce_scatter", 2, inputs=1, outputs=0, reduce_op=3, async_op=4),
-    "_reduce_scatter_base_": C10dOp("reduce_scatter_tensor", 2, inputs=1, outputs=0, reduce_op=3, async_op=4),
-    "reduce_scatter_tensor_coalesced_": C10dOp(
-        "reduce_scatter_tensor", 2, inputs=1, outputs=0, reduce_op=3, async_op=4
-    ),
-    "alltoall_": C10dOp("all_to_all", 2, inputs=1, outputs=0, async_op=3),
-    "alltoall_base_": C10dOp("all_to_all_single", 2, inputs=1, outputs=0, async_op=5),
-    "barrier": C10dOp("barrier", 1, async_op=3),
-    "monitored_barrier_": C10dOp("barrier", 1),
-    "send": C10dOp("isend", 1, inputs=0, peer=2, tag=3),
-    "recv_": C10dOp("irecv", 1, inputs=0, outputs=0, peer=2, tag=3),
-    "recv_any_source_": C10dOp("irecv", 1, inputs=0, outputs=0, tag=2),
-}
-# torch.distributed functions named in a trace for the op they make, where the names differ.
-API_OPS = {
-    "send": "isend",  # blocking: the trace says send, and no wait of its own
-    "recv": "irecv",
-    "all_gather_single": "all_gather_into_tensor",
-    "reduce_scatter_single": "reduce_scatter_tensor",
-}
-
-# Libraries that make calls, by the module their code is in: the outermost one on the stack
-# names the maker (DTensor calls the functional collectives, FSDP calls DTensor).
-MAKERS = (
-    ("torch.nn.parallel.distributed", "DDP"),
-    ("torch.distributed.fsdp", "FSDP"),
-    ("torch.distributed.tensor", "DTensor"),
-    ("torch.distributed.pipelining", "pipelining"),
-    ("torch.distributed.optim", "ZeroRedundancyOptimizer"),
-    ("torch.distributed.checkpoint", "distributed checkpoint"),
-    ("torch.distributed.algorithms", "DDP communication hook"),
-    ("torch.distributed._functional_collectives", "functional collectives"),
-    ("torch.distributed.device_mesh", "DeviceMesh"),
-)
 UNFINISHED_GRACE_SECONDS = 0.1  # at the cell's end, for all of its libraries' futures together
 UNFINISHED_POLL_SECONDS = 0.001
-# Modules under the makers' that only watch calls, as this tracer does.
-OBSERVERS = ("torch.distributed.tensor.debug",)
-DDP_PHASES = {"__init__": "DDP construction", "forward": "DDP forward"}
-_API_MODULE = "torch.distributed.distributed_c10d"
-_AUTOGRAD_MODULE = "torch.autograd"
 
 
 class Tracer:
@@ -128,7 +59,6 @@ class Tracer:
         self._torch = torch
         self._dist = dist
         self.rank = dist.get_rank()
-        self.values_limit = values_limit
         self.events: list[TraceEvent] = []
         self.active = False
         self._calls = 0  # the seq of the last event
@@ -137,15 +67,13 @@ class Tracer:
         self._library = None
         self._original_wait = None
         self._groups: dict[int, tuple[object, tuple[int, ...], str]] = {}
-        self._known: dict[int, tuple] = {}  # id -> (weak reference, TensorInfo without values, small)
+        self._tensors = TensorDescriptions(torch, values_limit)
         # id(work) -> (work, its event, the call's output tensors): handles not finished yet.
         self._pending: dict[int, tuple[object, TraceEvent, tuple]] = {}
         self._futures: dict[int, object] = {}  # id(work) -> its future (None: it has none)
         self._finished_elsewhere: list[tuple[TraceEvent, tuple]] = []  # outputs read at the end
-        self._sites: dict[tuple, tuple[list, CallSite]] = {}  # code path -> what its frames say
-        self._buckets: dict[int, int] = {}  # backward pass -> DDP buckets reduced so far
+        self._call_sites = CallSites(torch)
         self._unnamed_reduce_ops: list[tuple[TraceEvent, object]] = []  # (event, its ReduceOp)
-        self._main_thread = threading.main_thread()
 
     # ---------------------------------------------------------------- install / remove
     def install(self) -> None:
@@ -202,7 +130,7 @@ class Tracer:
                 event.status, event.end = DONE, time.time()
         for event, outputs in self._finished_elsewhere:
             if event.after is None and event.status == DONE:
-                event.after = self._tensors(outputs)
+                event.after = self._tensors.describe(outputs)
         self.name_reduce_ops()
         # Let go of the cell's groups, handles and tensors: a group the user deletes must really
         # go (destroying and re-forming the default group on the same port relies on it).
@@ -210,8 +138,8 @@ class Tracer:
         self._futures.clear()
         self._finished_elsewhere.clear()
         self._groups.clear()
-        self._known.clear()
-        self._sites.clear()
+        self._tensors.clear()
+        self._call_sites.forget_paths()
 
     def _settle_library_calls(self) -> int:
         """Mark the library calls finished since last asked as done; how many are not yet.
@@ -264,7 +192,7 @@ class Tracer:
         unnamed = self._unnamed_reduce_ops
         while unnamed:
             event, reduce_op = unnamed.pop()
-            event.reduce_op = _reduce_op_name(self._dist, reduce_op)
+            event.reduce_op = reduce_op_name(self._dist, reduce_op)
 
     # ---------------------------------------------------------------- recording
     def _kernel(self, name: str, spec: C10dOp):
@@ -280,7 +208,7 @@ class Tracer:
             # backend has the call, while it communicates (measured: that time is hidden).
             started = time.time()
             try:
-                before = self._tensors(args[spec.inputs]) if spec.inputs is not None else ()
+                before = self._tensors.describe(args[spec.inputs]) if spec.inputs is not None else ()
             except Exception as error:  # a bug of ours must not change what the cell does
                 return _recording_failed(error, op, keys, args, kwargs)
             self._in_flight = (spec, args, started, before, threading.get_ident())  # for a hang report
@@ -297,7 +225,7 @@ class Tracer:
             try:
                 event, outputs = self._record(spec, args, started, before)
                 handle = result[-1] if isinstance(result, tuple) and result else result
-                work = _work_of(work_type, handle) if isinstance(handle, script_object) else None
+                work = work_of(work_type, handle) if isinstance(handle, script_object) else None
                 if work is not None:
                     self._follow(work, event, outputs)
                 else:  # over already: monitored_barrier, or a backend that waited in C++ (NCCL)
@@ -322,14 +250,14 @@ class Tracer:
     ) -> TraceEvent:
         """The event of a call. ``in_flight``: one still inside the backend, seen from another
         thread (a hang report's), to be made again on the calling thread when it returns."""
-        frames, site = self._call_site(caller)
+        frames, site = self._call_sites.find(caller)
         api = site.api
         if api is not None and API_OPS.get(api, api) != spec.op:
             api = None  # not the op this function makes: some other path to it
         op = api or spec.op
         group = self._group(self._dist.ProcessGroup.unbox(args[spec.group]))
         inputs = args[spec.inputs] if spec.inputs is not None else ()
-        made_by = self._maker(site, spec, count=not in_flight)
+        made_by = self._call_sites.maker(site, spec, count=not in_flight)
         if made_by is not None and spec.op == "irecv":
             before = ()  # a library's receive buffer, made for it: what it held says nothing
         event = TraceEvent(
@@ -354,42 +282,17 @@ class Tracer:
         if spec.root is not None:
             event.root = group[1][args[spec.root]]
         if spec.reduce_op is not None and in_flight:
-            event.reduce_op = _reduce_op_name(self._dist, args[spec.reduce_op])
+            event.reduce_op = reduce_op_name(self._dist, args[spec.reduce_op])
         elif spec.reduce_op is not None:  # named later: reading a ReduceOp costs more than this call
             self._unnamed_reduce_ops.append((event, args[spec.reduce_op]))
         if OPS[op].primary:
             tensor_type = self._torch.Tensor
-            first = None if spec.primary_in_outputs else _first_tensor(inputs, tensor_type)
+            first = None if spec.primary_in_outputs else first_tensor(inputs, tensor_type)
             if first is None and spec.outputs is not None:
-                first = _first_tensor(args[spec.outputs], tensor_type)
+                first = first_tensor(args[spec.outputs], tensor_type)
             if first is not None:
-                event.primary = self._known_info(first)[1]
+                event.primary = self._tensors.known(first)[1]
         return event
-
-    def _call_site(self, caller) -> tuple[list, CallSite]:
-        """The frames from ``caller`` to the cell's, and what they say about the call: the same
-        for every call made along the same code path, so worked out once per path and cell."""
-        frames, in_cell = _frames_of_the_cell(caller, self._main_thread)
-        key = (in_cell, *[id(frame.f_code) for frame in frames])
-        known = self._sites.get(key)
-        if known is None:
-            # The code objects are kept with the entry so that their ids are not reused.
-            known = self._sites[key] = ([frame.f_code for frame in frames], _call_site(frames, in_cell))
-        return frames, known[1]
-
-    def _maker(self, site: CallSite, spec: C10dOp, count: bool = True) -> str | None:
-        """Who made the call, if not the cell through torch.distributed's functions. ``count``:
-        a DDP bucket's call is counted as its backward pass's next one."""
-        if site.maker is None and site.from_engine and spec.op == "all_reduce":
-            # No Python between the autograd engine and the call: DDP's reducer, which reduces
-            # its buckets in order, one all_reduce each, in every backward pass. (torch has no
-            # public name for "this backward pass".)
-            graph_task = self._torch._C._current_graph_task_id()
-            bucket = self._buckets.get(graph_task, 0)
-            if count:
-                self._buckets[graph_task] = bucket + 1
-            return f"DDP bucket {bucket}"
-        return site.maker
 
     def _follow(self, work, event: TraceEvent, outputs) -> None:
         """Keep the call's handle: its wait (or, for a library's call, its future) ends it."""
@@ -402,7 +305,7 @@ class Tracer:
         wait_event = None
         caller = sys._getframe(2) if event.async_op else None  # _wait <- wait <- the caller
         if caller is not None and not caller.f_globals.get("__name__", "").startswith("torch."):  # the cell's
-            frames, site = self._call_site(caller)
+            frames, site = self._call_sites.find(caller)
             self._calls += 1
             wait_event = TraceEvent(
                 self.rank,
@@ -439,7 +342,7 @@ class Tracer:
         if before and OPS[event.op].in_place and not any(info.values for info in before):
             event.after = event.before  # same tensors, too large to keep values: nothing new
         else:
-            event.after = self._tensors(outputs)
+            event.after = self._tensors.describe(outputs)
         event.end = time.time()
         event.status = DONE
 
@@ -458,60 +361,6 @@ class Tracer:
             entry = self._groups[id(group)] = (group, ranks, group.group_name)
         return entry
 
-    def _tensors(self, value) -> tuple[TensorInfo, ...]:
-        tensor_type = self._torch.Tensor
-        if isinstance(value, tensor_type):
-            return (self._info(value),)
-        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], tensor_type):
-            return (self._info(value[0]),)  # the usual case, made short
-        if isinstance(value, (list, tuple)):
-            return tuple(info for item in value for info in self._tensors(item))
-        return ()
-
-    def _known_info(self, tensor) -> tuple:
-        """(tensor, TensorInfo without values, small enough for values), cached.
-
-        Reading a tensor's shape and dtype costs more than the rest of a traced call, so a tensor
-        communicated again (a gradient bucket, a reused buffer) is described once per cell; the
-        weak reference tells a new tensor that got an old id. (A tensor resized in place between
-        two calls of one cell keeps its first shape in the trace.)
-        """
-        known = self._known.get(id(tensor))
-        if known is None or known[0]() is not tensor:
-            small = tensor.numel() <= self.values_limit
-            known = (weakref.ref(tensor), TensorInfo(tuple(tensor.shape), _dtype_name(tensor)), small)
-            self._known[id(tensor)] = known
-        return known
-
-    def _info(self, tensor) -> TensorInfo:
-        known = self._known_info(tensor)
-        if known[2]:
-            return known[1]._replace(values=tuple(tensor.detach().reshape(-1).tolist()))
-        return known[1]
-
-
-def _work_of(work_type, handle):
-    """The ``Work`` a c10d op returned, or None if it returned none (a backend that finished the
-    call before returning, as NCCL does for a blocking call)."""
-    try:
-        return work_type.unbox(handle)
-    except RuntimeError:  # an empty handle
-        return None
-
-
-def _first_tensor(value, tensor_type):
-    """The first tensor in a tensor or in (nested) lists and tuples of them; None if none."""
-    if isinstance(value, tensor_type):
-        return value
-    if isinstance(value, list) and value and isinstance(value[0], tensor_type):
-        return value[0]  # the usual case, made short
-    if isinstance(value, (list, tuple)):
-        for item in value:
-            found = _first_tensor(item, tensor_type)
-            if found is not None:
-                return found
-    return None
-
 
 def _recording_failed(error: Exception, op, keys, args, kwargs):
     """The call made as if untraced, after saying on the rank's stderr what failed."""
@@ -521,103 +370,6 @@ def _recording_failed(error: Exception, op, keys, args, kwargs):
 
 def _say_recording_failed(error: Exception) -> None:
     print(f"ddp_magics: tracing could not record a call ({type(error).__name__}: {error})", file=sys.stderr)
-
-
-def _frames_of_the_cell(frame, main_thread: threading.Thread) -> tuple[list, bool]:
-    """The Python frames from ``frame`` (the caller of a traced op) up to the cell's own frame,
-    innermost first, and whether the cell's frame was found. On a thread without the cell (the
-    autograd engine's, for CUDA tensors), the frames of the main thread, which waits in the
-    cell's ``backward()``."""
-    frames = []
-    while frame is not None:
-        frames.append(frame)
-        back = frame.f_back
-        if back is not None and back.f_code.co_name == "run_code":
-            return frames, True
-        frame = back
-    if threading.current_thread() is not main_thread:
-        main = sys._current_frames().get(main_thread.ident)
-        if main is not None:
-            return _frames_of_the_cell(main, main_thread)
-    return frames, False
-
-
-class CallSite(NamedTuple):
-    """What the frames of a call say about it."""
-
-    api: str | None  # the torch.distributed function it went through (the outermost one)
-    maker: str | None  # the library (the outermost one) or torch.distributed helper that made it
-    from_engine: bool  # called from the autograd engine with no Python in between
-    cell_frame: int | None  # which frame holds the cell's line (in the cell or a function it defines)
-
-    def line(self, frames: list) -> int | None:
-        """The line of the running cell that led to the call."""
-        return frames[self.cell_frame].f_lineno if self.cell_frame is not None else None
-
-
-def _call_site(frames: list, in_cell: bool) -> CallSite:
-    api = maker = None
-    roles = [_role(frame.f_code, frame.f_globals) for frame in frames]
-    for name, library, helper in roles:  # innermost first: the outermost found wins
-        api = name or api  # the deprecated all_gather_into_tensor forwards to all_gather_single
-        if library is not None:
-            maker = library
-        elif helper is not None and helper != _ENGINE_CALL and maker is None:
-            maker = helper  # broadcast_object_list, new_group, ...
-    cell_frame = None
-    if in_cell:
-        cell_file = frames[-1].f_code.co_filename
-        cell_frame = next(i for i, frame in enumerate(frames) if frame.f_code.co_filename == cell_file)
-    return CallSite(api, maker, bool(roles) and roles[0][2] == _ENGINE_CALL, cell_frame)
-
-
-_ENGINE_CALL = "autograd engine"
-_roles: dict = {}  # code object -> its role (what a traced call made from it says)
-
-
-def _role(code, globals_: dict) -> tuple[str | None, str | None, str | None]:
-    """(the torch.distributed function it is, if one the trace names; the library it belongs
-    to, if one that makes calls; torch.distributed's helper it is, or the autograd engine's
-    call), cached per code object: frames are read for every traced call."""
-    role = _roles.get(code)
-    if role is None:
-        module = globals_.get("__name__", "")
-        api = library = helper = None
-        if module == _API_MODULE:
-            api, helper = (code.co_name, None) if code.co_name in OPS else (None, code.co_name)
-        elif module.startswith(_AUTOGRAD_MODULE) and code.co_name == "_engine_run_backward":
-            helper = _ENGINE_CALL
-        for prefix, label in MAKERS:
-            if module == prefix or module.startswith(prefix + "."):
-                library = DDP_PHASES.get(code.co_name, label) if label == "DDP" else label
-        if module.startswith(OBSERVERS):
-            library = None  # a tool that watches the calls (CommDebugMode re-makes each one)
-        role = _roles[code] = (api, library, helper)
-    return role
-
-
-_DTYPE_NAMES: dict = {}
-_REDUCE_OP_NAMES: dict = {}
-
-
-def _dtype_name(tensor) -> str:
-    dtype = tensor.dtype
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
-    return name
-
-
-def _reduce_op_name(dist, reduce_op) -> str:
-    """The name of a ``ReduceOp`` as the dispatcher passes it (a TorchScript object whose
-    ``op()`` is the number of its ``RedOpType``)."""
-    number = reduce_op.op()
-    name = _REDUCE_OP_NAMES.get(number)
-    if name is None:
-        with contextlib.suppress(ValueError):
-            name = dist.ReduceOp.RedOpType(number).name
-        name = _REDUCE_OP_NAMES[number] = name or str(number)
-    return name
 
 
 _tracer: Tracer | None = None
