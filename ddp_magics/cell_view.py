@@ -3,12 +3,16 @@ notebook's prompt (while the cell runs, or post mortem), and its outputs in rank
 
 from __future__ import annotations
 
+import html
 from collections.abc import Callable, Generator
 
 from IPython.core.error import StdinNotImplementedError
 from IPython.display import display
 
 from ddp_magics.cell_run import CellOutcome, Prompt, Tick
+from ddp_magics.cluster.rank_cluster import RankCluster
+from ddp_magics.cluster.records import ClusterError
+from ddp_magics.errors import usage_error
 from ddp_magics.live_view import LiveView
 from ddp_magics.output import live_html, render
 from ddp_magics.protocol import rank_label
@@ -17,9 +21,28 @@ from ddp_magics.reports import no_calls_message
 LIVE_TAIL_LINES = 12
 
 
-def follow(steps: Generator[Tick | Prompt, str | None, CellOutcome], live: LiveView) -> CellOutcome:
+def with_progress(magic: str, action: Callable[[Callable[[str], None]], object], shell) -> object:
+    """``action(progress)``, showing each step it reports while it runs; a ClusterError becomes
+    a one-line error naming ``magic``."""
+    live = LiveView(in_kernel(shell))
+    steps: list[str] = []
+
+    def progress(message: str) -> None:
+        steps.append(message)
+        live.update("<br>".join(html.escape(step) for step in steps) + " …")
+
+    try:
+        return action(progress)
+    except ClusterError as error:
+        raise usage_error(f"{magic} failed: {error}") from None
+    finally:
+        live.close()
+
+
+def follow(steps: Generator[Tick | Prompt, str | None, CellOutcome], shell) -> CellOutcome:
     """Show a cell's progress and answer its prompts until it ends; the stop button, wherever it
     is pressed, goes to the cell run."""
+    live = LiveView(in_kernel(shell))
     try:
         record = next(steps)
         while True:
@@ -72,26 +95,52 @@ def show(outcome: CellOutcome, collapse_identical: bool, max_output_lines: int, 
             print(no_calls_message(outcome))
 
 
-def post_mortem_dialogue(
-    rank: int, run_commands: Callable[[list[str]], tuple[str, bool]], commands: str | None
-):
-    """Feed pdb on ``rank`` (``run_commands``: what they printed, whether pdb is still open) the
-    ``-c`` commands, or what is typed at the prompt until pdb ends; whether it is still open."""
-    if commands is not None:
-        shown, still_open = run_commands(
-            [command.strip() for command in commands.split(";") if command.strip()]
-        )
-        print(shown, end="")
-        return still_open
+def post_mortem(cluster: RankCluster, rank: int, commands: str | None) -> None:
+    """pdb post mortem on ``rank``: what it shows first, then the ``-c`` commands (``p x; w``), or
+    what is typed at the prompt until pdb ends; pdb is closed on the rank whatever happens."""
+    if commands and len(commands) > 1 and commands[0] == commands[-1] and commands[0] in "'\"":
+        commands = commands[1:-1]  # IPython's argument splitting keeps the quotes
+    shown = cluster.start_post_mortem(rank)
+    print(f"[rank {rank}]")
+    print(shown, end="")
     still_open = True
-    while still_open:
-        try:
-            command = input(f"(Pdb rank {rank}) ")
-        except (StdinNotImplementedError, OSError):  # no stdin (nbval, nbclient; pytest's OSError)
-            print('%dist_debug: no input can be read here; give pdb commands with -c "p x; w"')
-            return True
-        except (EOFError, KeyboardInterrupt):
-            return True
-        shown, still_open = run_commands([command])
-        print(shown, end="")
-    return False
+    try:
+        if commands is not None:
+            listed = [command.strip() for command in commands.split(";") if command.strip()]
+            shown, still_open = cluster.post_mortem_commands(rank, listed)
+            print(shown, end="")
+            return
+        while still_open:
+            try:
+                command = input(f"(Pdb rank {rank}) ")
+            except (StdinNotImplementedError, OSError):  # no stdin (nbval, nbclient; pytest's OSError)
+                print('%dist_debug: no input can be read here; give pdb commands with -c "p x; w"')
+                return
+            except (EOFError, KeyboardInterrupt):
+                return
+            shown, still_open = cluster.post_mortem_commands(rank, [command])
+            print(shown, end="")
+    finally:
+        if still_open:
+            cluster.end_post_mortem(rank)
+
+
+def cell_number(shell) -> int:
+    """The number the notebook shows for the cell running now (``In[N]``)."""
+    running = shell.displayhook.exec_result  # set by IPython for the length of a cell
+    if running is not None and running.execution_count is not None:
+        return running.execution_count
+    return shell.execution_count
+
+
+def input_allowed(shell) -> bool:
+    """Whether the front end that sent the running cell takes input (nbval and nbclient do not);
+    True outside a kernel, where input() reads the terminal."""
+    kernel = getattr(shell, "kernel", None)
+    if kernel is None:
+        return True
+    return bool(kernel.get_parent("shell").get("content", {}).get("allow_stdin", False))
+
+
+def in_kernel(shell) -> bool:
+    return getattr(shell, "kernel", None) is not None

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import html
 import re
-from collections.abc import Callable
 
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class, no_var_expand
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
@@ -19,12 +17,11 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from ddp_magics import arguments, cell_view, reports
 from ddp_magics.cell_run import CellRun, Waits
 from ddp_magics.cluster.engines import CellAnswers
-from ddp_magics.cluster.rank_cluster import Progress, RankCluster
+from ddp_magics.cluster.rank_cluster import RankCluster
 from ddp_magics.cluster.records import BACKENDS, LAUNCHERS, ClusterConfig, ClusterError, DeadRanks
 from ddp_magics.cluster.strays import stop_stray_clusters
 from ddp_magics.diff import describe_differences
 from ddp_magics.errors import RESTART_ADVICE, usage_error
-from ddp_magics.live_view import LiveView
 from ddp_magics.output import StatusTable
 from ddp_magics.protocol import rank_label
 from ddp_magics.settings import Settings
@@ -80,30 +77,13 @@ class DistributedMagics(Magics, Settings):
 
     def _start(self, config: ClusterConfig) -> None:
         cluster = RankCluster(config)
-        self._with_progress("%dist_start", cluster.start)
+        cell_view.with_progress("%dist_start", cluster.start, self.shell)
         self._config = config
         self.cluster = cluster
         self._restart_failed = False
         self._unfinished = None
         atexit.register(cluster.stop)
         print(reports.start_summary(cluster))
-
-    def _with_progress(self, magic: str, action: Callable[[Progress], object]) -> object:
-        """``action(progress)``, showing each step it reports while it runs; a ClusterError
-        becomes a one-line error."""
-        live = LiveView(self._in_kernel())
-        steps: list[str] = []
-
-        def progress(message: str) -> None:
-            steps.append(message)
-            live.update("<br>".join(html.escape(step) for step in steps) + " …")
-
-        try:
-            return action(progress)
-        except ClusterError as error:
-            raise usage_error(f"{magic} failed: {error}") from None
-        finally:
-            live.close()
 
     @magic_arguments()
     @line_magic
@@ -149,7 +129,7 @@ class DistributedMagics(Magics, Settings):
             self._unfinished = None
             self._stale, self._cut_peers = {}, frozenset()
             try:
-                self._with_progress("%dist_restart", self.cluster.restart)
+                cell_view.with_progress("%dist_restart", self.cluster.restart, self.shell)
             finally:
                 if not self.cluster.running:  # the restart failed and stopped the cluster
                     self._stop_cluster()
@@ -183,9 +163,10 @@ class DistributedMagics(Magics, Settings):
         if self.cluster is None:
             raise self._no_cluster()
         cluster = self.cluster
-        done = self._with_progress(
+        done = cell_view.with_progress(
             "%dist_recover",
             lambda progress: cluster.recover(self._unfinished, args.shrink, self.interrupt_grace, progress),
+            self.shell,
         )
         self._unfinished = None
         if done.dropped:
@@ -240,16 +221,16 @@ class DistributedMagics(Magics, Settings):
                 cluster,
                 cell,
                 ranks,
-                self._cell_number(),
+                cell_view.cell_number(self.shell),
                 waits,
                 trace_values_limit=self.trace_values_limit if traced else None,
-                input_allowed=self._input_allowed(),
+                input_allowed=cell_view.input_allowed(self.shell),
             )
         except DeadRanks as dead:
             raise self._dead(dead.ranks) from None
         except ClusterError as error:
             raise usage_error(f"--trace/--diagram: {error}") from None
-        outcome = cell_view.follow(run.steps(), LiveView(self._in_kernel()))
+        outcome = cell_view.follow(run.steps(), self.shell)
         cell_view.show(outcome, self.collapse_identical, self.max_output_lines, args.diagram)
         if args.trace is not None:
             self.shell.user_ns[args.trace] = outcome.trace
@@ -346,21 +327,8 @@ class DistributedMagics(Magics, Settings):
             rank = self._last_raised[0]
         else:
             rank = arguments.parse_rank_spec(str(args.rank), cluster.n)[0]
-        commands = args.commands
-        if commands and len(commands) > 1 and commands[0] == commands[-1] and commands[0] in "'\"":
-            commands = commands[1:-1]  # IPython's argument splitting keeps the quotes
         try:
-            shown = cluster.start_post_mortem(rank)
-            print(f"[rank {rank}]")
-            print(shown, end="")
-            still_open = True
-            try:
-                still_open = cell_view.post_mortem_dialogue(
-                    rank, lambda lines: cluster.post_mortem_commands(rank, lines), commands
-                )
-            finally:
-                if still_open:
-                    cluster.end_post_mortem(rank)
+            cell_view.post_mortem(cluster, rank, args.commands)
         except ClusterError as error:
             raise usage_error(f"%dist_debug: {error}") from None
 
@@ -391,24 +359,6 @@ class DistributedMagics(Magics, Settings):
         print("\n".join(describe_differences(expression, snapshots)))
 
     # --------------------------------------------------------------------- helpers
-    def _cell_number(self) -> int:
-        """The number the notebook shows for the cell running now (``In[N]``)."""
-        running = self.shell.displayhook.exec_result  # set by IPython for the length of a cell
-        if running is not None and running.execution_count is not None:
-            return running.execution_count
-        return self.shell.execution_count
-
-    def _input_allowed(self) -> bool:
-        """Whether the front end that sent the running cell takes input (nbval and nbclient do
-        not); True outside a kernel, where input() reads the terminal."""
-        kernel = getattr(self.shell, "kernel", None)
-        if kernel is None:
-            return True
-        return bool(kernel.get_parent("shell").get("content", {}).get("allow_stdin", False))
-
-    def _in_kernel(self) -> bool:
-        return getattr(self.shell, "kernel", None) is not None
-
     def shutdown(self) -> None:
         """Stop the cluster (used by %unload_ext)."""
         self._stop_cluster()

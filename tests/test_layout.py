@@ -132,6 +132,8 @@ PRESENTATION = {
     "ddp_magics.output",
     "ddp_magics.live_view",
     "ddp_magics.diagrams",
+    "ddp_magics.figures",
+    "ddp_magics.timeline",
     "ddp_magics.diff",
 }
 
@@ -154,6 +156,20 @@ def test_nothing_imports_the_magics():
         if "ddp_magics.magics" in imported_modules(path)
     ]
     assert importers == []
+
+
+def test_modules_and_classes_stay_small():
+    """No module over 450 lines, no class over 350: each concern can be read in one sitting."""
+    long_modules = {}
+    long_classes = {}
+    for path in PACKAGE.rglob("*.py"):
+        text = path.read_text()
+        if text.count("\n") > 450:
+            long_modules[module_name(path)] = text.count("\n")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 350:
+                long_classes[f"{module_name(path)}.{node.name}"] = node.end_lineno - node.lineno + 1
+    assert (long_modules, long_classes) == ({}, {})
 
 
 def import_graph() -> dict[str, set[str]]:
