@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from ddp_magics.cluster.engines import CellAnswers
 from ddp_magics.cluster.rank_cluster import RankCluster
-from ddp_magics.cluster.records import RankFailure, RankOutput
+from ddp_magics.cluster.records import ClusterError, RankFailure, RankOutput, Recovery
 from ddp_magics.diagrams import Trace
 from ddp_magics.errors import DeadRank
 from ddp_magics.protocol import SKIP_BREAKPOINTS, TRACE_KEY
@@ -78,6 +78,13 @@ class CellOutcome:
     deaths: list[DeadRank]
     blocked: list[BlockedRank]  # ranks still running, and where
     trace: Trace | None  # when traced
+    # A rank raised, exited or quit its debugger, or the stop button was pressed: the cell is over.
+    ended_on_a_rank: bool = False
+    # Then ranks still waiting in communication are released: the process groups are cut and
+    # formed anew (a recovery, every rank's state kept).
+    released: list[BlockedRank] = field(default_factory=list)
+    recovery: Recovery | None = None
+    release_problem: str | None = None  # why releasing them failed
 
     @property
     def clean(self) -> bool:
@@ -86,7 +93,7 @@ class CellOutcome:
     @property
     def finished(self) -> list[int]:
         ended_badly = {failure.rank for failure in self.failures} | set(self.dead)
-        ended_badly |= {blocked.rank for blocked in self.blocked}
+        ended_badly |= {blocked.rank for blocked in [*self.blocked, *self.released]}
         return [rank for rank in self.ranks if rank not in ended_badly]
 
 
@@ -186,6 +193,23 @@ class CellRun:
         alive_pending = [rank for rank in pending if rank not in dead]
         inspections = cluster.inspect(answers, alive_pending) if alive_pending else {}
         trace = self._trace(pending, dead, inspections) if self.traced else None
+        blocked = [
+            BlockedRank.from_dump(
+                rank,
+                inspections[rank].stack if rank in inspections else None,
+                self.cell,
+                traced_call=_traced_call(trace, rank),
+            )
+            for rank in alive_pending
+        ]
+        ended_on_a_rank = bool(failures) or ended == INTERRUPTED
+        released, recovery, release_problem = [], None, None
+        if blocked and ended_on_a_rank and not dead and all(rank.in_communication for rank in blocked):
+            try:
+                recovery = cluster.recover(answers, interrupt_grace=self.waits.interrupt_grace)
+                released, blocked = blocked, []
+            except ClusterError as error:
+                release_problem = str(error)
         return CellOutcome(
             ranks=self.ranks,
             ended=ended,
@@ -194,16 +218,12 @@ class CellRun:
             failures=[failure for rank, failure in failures.items() if rank not in dead],
             dead=dead,
             deaths=[self._death(rank) for rank in dead],
-            blocked=[
-                BlockedRank.from_dump(
-                    rank,
-                    inspections[rank].stack if rank in inspections else None,
-                    self.cell,
-                    traced_call=_traced_call(trace, rank),
-                )
-                for rank in alive_pending
-            ],
+            blocked=blocked,
             trace=trace,
+            ended_on_a_rank=ended_on_a_rank,
+            released=released,
+            recovery=recovery,
+            release_problem=release_problem,
         )
 
     def _death(self, rank: int) -> DeadRank:

@@ -55,6 +55,10 @@ class DistributedCellError(Exception):
     interrupted: bool = False
     usable: bool = True
     mismatches: list[str] = field(default_factory=list)  # from the cell's trace, in plain words
+    # Ranks that waited in communication after another rank ended the cell, released with their
+    # state (the process groups cut and formed anew), and what the user should know of it.
+    released: list[BlockedRank] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         super().__init__(self.summary())
@@ -72,6 +76,8 @@ class DistributedCellError(Exception):
             parts.append(f"{rank_label(ranks)} {verb}" + (f": {evalue}" if evalue else ""))
         if self.dead:
             parts.append(f"{rank_label(self.dead)} died")
+        if self.released:
+            parts.append(_released_summary(self.released))
         if self.blocked:
             still = "did not stop" if self.interrupted else "still running"
             after = f" after {self.timeout:g} s" if self.timeout is not None else ""
@@ -104,12 +110,40 @@ class DistributedCellError(Exception):
         for (where, report), ranks in same_place.items():
             lines.append(f"[{rank_label(ranks)}] still running, {where}")
             lines.extend(report)
+        for where, ranks in _by_place(self.released).items():
+            lines.append(
+                f"[{rank_label(ranks)}] released: {'it was' if len(ranks) == 1 else 'they were'} waiting "
+                f"{where}, which no rank will join now; the process groups were cut and formed anew, "
+                "and every rank kept its variables."
+            )
         if self.finished:
             lines.append(f"[{rank_label(self.finished)}] finished")
         lines.extend(f"Mismatch: {message}" for message in self.mismatches)
+        lines.extend(self.notes)
         if not self.usable:
             lines.append(RESTART_ADVICE)
         return lines
+
+
+def _by_place(ranks: list[BlockedRank]) -> dict[str, list[int]]:
+    places: dict[str, list[int]] = {}
+    for blocked in ranks:
+        places.setdefault(blocked.where(), []).append(blocked.rank)
+    return places
+
+
+def _released_summary(released: list[BlockedRank]) -> str:
+    """``ranks 0,1,3 were waiting in all_reduce at cell line 4 and were released (...)``."""
+    places = _by_place(released)
+    label = rank_label([blocked.rank for blocked in released])
+    were = "was" if len(released) == 1 else "were"
+    if len(places) == 1:
+        waiting = f"waiting {next(iter(places))}"
+    else:
+        waiting = (
+            "waiting (" + ", ".join(f"{rank_label(ranks)} {where}" for where, ranks in places.items()) + ")"
+        )
+    return f"{label} {were} {waiting} and {were} released (state kept, new process group)"
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

@@ -18,7 +18,7 @@ from ddp_magics import arguments, cell_view, reports
 from ddp_magics.cell_run import CellRun, Waits
 from ddp_magics.cluster.engines import CellAnswers
 from ddp_magics.cluster.rank_cluster import RankCluster
-from ddp_magics.cluster.records import BACKENDS, LAUNCHERS, ClusterConfig, ClusterError, DeadRanks
+from ddp_magics.cluster.records import BACKENDS, LAUNCHERS, ClusterConfig, ClusterError, DeadRanks, Recovery
 from ddp_magics.cluster.strays import stop_stray_clusters
 from ddp_magics.diff import describe_differences
 from ddp_magics.errors import RESTART_ADVICE, usage_error
@@ -171,8 +171,12 @@ class DistributedMagics(Magics, Settings):
         self._unfinished = None
         if done.dropped:
             self._config = dataclasses.replace(self._config, n=done.world_size)
-        self._stale, self._cut_peers = done.stale, frozenset().union(*done.cut_peers.values())
+        self._remember_recovery(done)
         print(reports.recovery_report(done, cluster.backend))
+
+    def _remember_recovery(self, done: Recovery) -> None:
+        """What holds a destroyed group now, and which connections were cut (see reports)."""
+        self._stale, self._cut_peers = done.stale, frozenset().union(*done.cut_peers.values())
 
     @staticmethod
     def _dead(ranks: list[int]) -> Exception:
@@ -236,9 +240,13 @@ class DistributedMagics(Magics, Settings):
             self.shell.user_ns[args.trace] = outcome.trace
         if outcome.blocked:
             self._unfinished = run.answers
-        if not outcome.clean:
-            self._last_raised = sorted(failure.rank for failure in outcome.failures)
-            raise reports.cell_error(outcome, self._stale, self._cut_peers)
+        if outcome.clean:
+            return
+        self._last_raised = sorted(failure.rank for failure in outcome.failures)
+        error = reports.cell_error(outcome, self._stale, self._cut_peers)
+        if outcome.recovery is not None:  # the ranks that waited were released
+            self._remember_recovery(outcome.recovery)
+        raise error
 
     def _ready_cluster(self, check_dead: bool = True) -> RankCluster:
         """The running cluster, if every rank can take a new cell."""

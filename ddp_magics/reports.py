@@ -44,9 +44,15 @@ def recovery_report(recovery: Recovery, backend: str) -> str:
             + (f"; rank {moved}" if moved else "")
             + ": `rank` and `world_size` are updated on every rank."
         )
+    return "\n".join([*lines, *stale_lines(recovery.stale)])
+
+
+def stale_lines(stale: dict[int, tuple[tuple[str, str], ...]]) -> list[str]:
+    """Per set of names, the ranks where they hold a process group a recovery destroyed."""
     by_names: dict[tuple[tuple[str, str], ...], list[int]] = {}
-    for rank, names in recovery.stale.items():
+    for rank, names in stale.items():
         by_names.setdefault(names, []).append(rank)
+    lines = []
     for names, ranks in by_names.items():
         listed = ", ".join(f"{name} ({kind})" for name, kind in names)
         verb, them = ("holds", "it") if len(names) == 1 else ("hold", "them")
@@ -54,7 +60,7 @@ def recovery_report(recovery: Recovery, backend: str) -> str:
             f"Stale on {rank_label(ranks)}: {listed} {verb} the old process group; make {them} again "
             f"(dist.new_group, DDP(...), ...) before using {them}."
         )
-    return "\n".join(lines)
+    return lines
 
 
 def no_calls_message(outcome: CellOutcome) -> str:
@@ -79,7 +85,34 @@ def cell_error(
         interrupted=outcome.ended == INTERRUPTED,
         usable=not (outcome.blocked or outcome.dead),
         mismatches=[mismatch.message for mismatch in outcome.trace.mismatches] if outcome.trace else [],
+        released=outcome.released,
+        notes=_release_notes(outcome),
     )
+
+
+def _release_notes(outcome: CellOutcome) -> list[str]:
+    """What the user should know of releasing the ranks that waited (or of not releasing them)."""
+    if outcome.recovery is not None:
+        return stale_lines(outcome.recovery.stale)
+    if outcome.release_problem:
+        return [f"The ranks still waiting could not be released: {outcome.release_problem}"]
+    computing = [blocked.rank for blocked in outcome.blocked if not blocked.in_communication]
+    waiting = [blocked.rank for blocked in outcome.blocked if blocked.in_communication]
+    if not (outcome.ended_on_a_rank and computing) or outcome.dead or outcome.ended == INTERRUPTED:
+        return []
+    one = len(computing) == 1
+    also = (
+        f"; {rank_label(waiting)}, waiting in communication, {'is' if len(waiting) == 1 else 'are'} left "
+        "as well (a new process group needs every rank)"
+        if waiting
+        else ""
+    )
+    return [
+        f"{rank_label(computing)} {'is' if one else 'are'} running Python, not waiting in communication, "
+        f"so {'it was' if one else 'they were'} not interrupted (a slow step may still finish){also}. "
+        f"The stop button interrupts {'it' if one else 'them'}; %dist_recover gets every rank back with "
+        "its state."
+    ]
 
 
 # torch 2.13 (distributed_c10d.get_backend, which collectives call) for a group destroyed by

@@ -46,9 +46,12 @@ def cell_frames(threads: list[list[Frame]]) -> list[Frame]:
 def in_a_collective(threads: list[list[Frame]]) -> bool:
     """Whether the thread running the cell is in a torch.distributed call, or in backward (where
     DDP's reducer waits for its all-reduces)."""
+    return _communicating(cell_frames(threads))
+
+
+def _communicating(frames: list[Frame] | tuple[Frame, ...]) -> bool:
     return any(
-        frame.filename.endswith(_DIST_API_FILE) or frame.function == _AUTOGRAD_ENGINE_CALL
-        for frame in cell_frames(threads)
+        frame.filename.endswith(_DIST_API_FILE) or frame.function == _AUTOGRAD_ENGINE_CALL for frame in frames
     )
 
 
@@ -96,6 +99,12 @@ class BlockedRank:
             frames=tuple(frames),
             traced_call=traced_call,
         )
+
+    @property
+    def in_communication(self) -> bool:
+        """Whether it waits in a torch.distributed call (or in backward, where DDP's reducer
+        waits for its all-reduces), as far as its stack or its trace tell."""
+        return self.traced_call is not None or _communicating(self.frames)
 
     def where(self) -> str:
         """``in all_reduce at cell line 3``, as far as it is known."""
