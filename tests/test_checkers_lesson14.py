@@ -1,7 +1,8 @@
 """Lesson 14's checkers fail the obvious wrong answers and pass the reference solutions.
 
 As in tests/test_checkers.py: on a real gloo cluster of 2 ranks, with the lesson's set-up cell run on every
-rank (``make_model``, ``local_bytes``, ``fully_shard``, ``FSDPModule``, ``DTensor``), the lesson's own checker
+rank (``make_model``, ``local_bytes``, ``fully_shard``, ``FSDPModule``, ``DTensor``), and the lesson's
+``shard_per_block`` (one wrong answer of exercise 2 is that function), the lesson's own checker
 cell runs after a wrong solution (every rank must print ``not yet``) and after the lesson's reference solution
 (every rank ``pass``).
 """
@@ -22,6 +23,7 @@ def lesson_ranks(ip):
     """2 ranks holding the lesson's set-up: its imports, ``make_model`` and ``local_bytes``."""
     with running_cluster(ip, WORLD) as magics:
         on_ranks(ip, lesson_cell(LESSON, '"""Lesson 14\'s set-up'))
+        on_ranks(ip, lesson_cell(LESSON, "def shard_per_block(model, **options):"))
         yield magics
 
 
@@ -66,38 +68,58 @@ def test_14_predict_bytes_must_follow_fully_shard(ip, lesson_ranks, wrong):
     assert_checker(ip, LESSON, 1, PREDICT_WRONG[wrong], WORLD)
 
 
-# exercise 2: blocks first, then the root; blocks resharded after forward
+# exercise 2: blocks first, then the root; every block resharded after forward but the last
 
 SHARD_WRONG = {
+    "every block resharded (the lesson's shard_per_block)": """
+def shard_keep_last(model):
+    return shard_per_block(model)
+""",
     "the whole model only (one group)": """
-def shard_block_by_block(model):
+def shard_keep_last(model):
     fully_shard(model, mesh=mesh)
     return model
 """,
-    "the blocks only (each its own root, kept after forward)": """
-def shard_block_by_block(model):
+    "the blocks only (each its own root)": """
+def shard_keep_last(model):
     for block in list(model)[:-1]:
         fully_shard(block, mesh=mesh)
     return model
 """,
     "top-down (the root first)": """
-def shard_block_by_block(model):
+def shard_keep_last(model):
     fully_shard(model, mesh=mesh)
     for block in list(model)[:-1]:
         fully_shard(block, mesh=mesh)
     return model
 """,
-    "blocks kept after forward": """
-def shard_block_by_block(model):
+    "every block kept after forward": """
+def shard_keep_last(model):
     for block in list(model)[:-1]:
         fully_shard(block, mesh=mesh, reshard_after_forward=False)
     fully_shard(model, mesh=mesh)
     return model
 """,
-    "the head sharded as a block too": """
-def shard_block_by_block(model):
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
+    "the first block kept instead of the last": """
+def shard_keep_last(model):
+    for i, block in enumerate(list(model)[:-1]):
+        fully_shard(block, mesh=mesh, reshard_after_forward=i > 0)
+    fully_shard(model, mesh=mesh)
+    return model
+""",
+    "the head sharded as a group of its own": """
+def shard_keep_last(model):
+    blocks = list(model)[:-1]
+    for i, block in enumerate(blocks):
+        fully_shard(block, mesh=mesh, reshard_after_forward=i < len(blocks) - 1)
+    fully_shard(model[-1], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+""",
+    "two blocks in one group": """
+def shard_keep_last(model):
+    fully_shard([model[0], model[1]], mesh=mesh)
+    fully_shard(model[2], mesh=mesh, reshard_after_forward=False)
     fully_shard(model, mesh=mesh)
     return model
 """,
@@ -105,13 +127,13 @@ def shard_block_by_block(model):
 
 
 @pytest.mark.parametrize("wrong", list(SHARD_WRONG))
-def test_14_shard_block_by_block_must_wrap_bottom_up(ip, lesson_ranks, wrong):
+def test_14_shard_keep_last_must_group_and_keep_the_last_block(ip, lesson_ranks, wrong):
     assert_checker(ip, LESSON, 2, SHARD_WRONG[wrong], WORLD)
 
 
 def test_14_run_all_checks_the_learners_answers(ip, lesson_ranks):
     wrong = {
         1: PREDICT_WRONG["balanced rows (divmod), not torch.chunk's ceil-sized ones"],
-        2: SHARD_WRONG["the blocks only (each its own root, kept after forward)"],
+        2: SHARD_WRONG["every block resharded (the lesson's shard_per_block)"],
     }
     assert_run_all(ip, LESSON, wrong, WORLD)
