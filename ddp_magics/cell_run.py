@@ -21,7 +21,8 @@ from ddp_magics.cluster.rank_cluster import RankCluster
 from ddp_magics.cluster.records import ClusterError, RankFailure, RankOutput, Recovery
 from ddp_magics.diagrams import Trace
 from ddp_magics.errors import DeadRank
-from ddp_magics.protocol import SKIP_BREAKPOINTS, TRACE_KEY
+from ddp_magics.profile import Profile
+from ddp_magics.protocol import PROFILE_KEY, SKIP_BREAKPOINTS, TRACE_KEY
 from ddp_magics.stacks import BlockedRank
 
 POLL_SECONDS = 0.1
@@ -78,6 +79,7 @@ class CellOutcome:
     deaths: list[DeadRank]
     blocked: list[BlockedRank]  # ranks still running, and where
     trace: Trace | None  # when traced
+    profile: Profile | None = None  # when profiled
     # A rank raised, exited or quit its debugger, or the stop button was pressed: the cell is over.
     ended_on_a_rank: bool = False
     # Then ranks still waiting in communication are released: the process groups are cut and
@@ -109,16 +111,23 @@ class CellRun:
         waits: Waits,
         trace_values_limit: int | None = None,
         input_allowed: bool = True,
+        profiled: bool = False,
     ) -> None:
-        """Send the cell (see :meth:`RankCluster.run_cell` for tracing and its errors)."""
+        """Send the cell (see :meth:`RankCluster.run_cell` for tracing, profiling and their
+        errors). A profiled cell is traced too (without values unless ``trace_values_limit``):
+        its communication is named as the trace names it."""
         self.cluster = cluster
         self.cell = cell
         self.ranks = ranks
         self.waits = waits
+        self.profiled = profiled
+        if profiled and trace_values_limit is None:
+            trace_values_limit = 0
         self.traced = trace_values_limit is not None
+        self._offsets = cluster.clock_offsets(ranks) if profiled else {}
         self._no_input = not input_allowed
         self._quitting: set[int] = set()  # ranks sent q by the stop button at their prompt
-        self.answers: CellAnswers = cluster.run_cell(cell, ranks, cell_number, trace_values_limit)
+        self.answers: CellAnswers = cluster.run_cell(cell, ranks, cell_number, trace_values_limit, profiled)
 
     def steps(self) -> Generator[Tick | Prompt, str | None, CellOutcome]:
         ended = yield from self._wait()
@@ -220,6 +229,7 @@ class CellRun:
             deaths=[self._death(rank) for rank in dead],
             blocked=blocked,
             trace=trace,
+            profile=self._profile(pending, dead, trace) if self.profiled else None,
             ended_on_a_rank=ended_on_a_rank,
             released=released,
             recovery=recovery,
@@ -243,6 +253,20 @@ class CellRun:
             else:
                 events[rank] = self.answers.published(rank, TRACE_KEY, wait=TRACE_ARRIVAL_SECONDS) or []
         return Trace(events, complete=not (pending or dead), lost=frozenset(dead))
+
+    def _profile(self, pending: list[int], dead: list[int], trace: Trace | None) -> Profile:
+        """What the ranks that ended the cell (finished or raised) recorded; ranks still running
+        or dead have none."""
+        profiles, missing = {}, []
+        for rank in self.ranks:
+            answer = None
+            if rank not in pending and rank not in dead:
+                answer = self.answers.published(rank, PROFILE_KEY, wait=TRACE_ARRIVAL_SECONDS)
+            if answer is None:
+                missing.append(rank)
+            else:
+                profiles[rank] = answer
+        return Profile(profiles, self._offsets, trace.events if trace else None, missing)
 
 
 def _traced_call(trace: Trace | None, rank: int) -> str | None:

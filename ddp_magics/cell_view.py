@@ -93,6 +93,10 @@ def show(outcome: CellOutcome, collapse_identical: bool, max_output_lines: int, 
             display(outcome.trace.draw())
         else:
             print(no_calls_message(outcome))
+    if outcome.profile is not None:
+        print(outcome.profile.text())
+        if any(outcome.profile.spans.values()):
+            display(outcome.profile.draw())
 
 
 def post_mortem(cluster: RankCluster, rank: int, commands: str | None) -> None:

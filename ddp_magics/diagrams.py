@@ -3,6 +3,7 @@
 - ``draw_trace(trace)``: one step (a collective, or a send with its recv) as rank boxes with
   their values before and after and an arrow for every rank-to-rank movement of data; or, for a
   sequence, a timeline with one lane per rank (:mod:`ddp_magics.timeline`).
+- ``save_trace(trace, path)``: the calls as Chrome-trace JSON (:mod:`ddp_magics.chrome_trace`).
 - ``draw_step(trace, n)``: step n alone (lessons draw ops that are not run with it: see
   :mod:`ddp_magics.lessons`).
 
@@ -17,7 +18,9 @@ deterministic text form that nbval compares (see :mod:`ddp_magics.figures`).
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
 
+from ddp_magics.chrome_trace import ChromeTrace
 from ddp_magics.figures import (
     MISMATCH_COLOR,
     Diagram,
@@ -29,7 +32,7 @@ from ddp_magics.figures import (
     rank_color,
 )
 from ddp_magics.matching import COLLECTIVE, MatchedTrace, Step
-from ddp_magics.protocol import OPS, RUNNING, rank_label
+from ddp_magics.protocol import OPS, RUNNING, TraceEvent, format_values, rank_label
 from ddp_magics.timeline import draw_timeline
 
 MAX_BOX_LINES = 8
@@ -45,6 +48,42 @@ class Trace(MatchedTrace):
     def draw(self, step: int | None = None, timeline: bool | None = None) -> Diagram:
         """A diagram: one step (``step=N``, numbered as in the listing) or the timeline."""
         return draw_trace(self, step=step, timeline=timeline)
+
+    def save(self, path) -> Path:
+        """Chrome-trace JSON (Perfetto, ``chrome://tracing``, HTA): one process per rank named
+        ``rank N``, each call a slice from its start to its end, its arguments as the slice's."""
+        return save_trace(self, path)
+
+
+def save_trace(trace: MatchedTrace, path) -> Path:
+    starts = [event.start for events in trace.events.values() for event in events if event.start]
+    chrome = ChromeTrace(min(starts, default=0.0))
+    for rank, events in trace.events.items():
+        chrome.rank(rank)
+        for event in events:
+            end = event.end if event.end is not None else max(event.start, chrome.origin)
+            chrome.slice(rank, "calls", event.what(), event.start, end, "communication", _event_args(event))
+    return chrome.save(path, {"source": "ddp_magics --trace"})
+
+
+def _event_args(event: TraceEvent) -> dict:
+    args = {
+        "call": event.call(),
+        "seq": event.seq,
+        "group": list(event.group),
+        "status": event.status,
+        "line": event.line,
+        "made_by": event.made_by,
+    }
+    if event.primary is not None:
+        args["shape"], args["dtype"] = list(event.primary.shape), event.primary.dtype
+    if event.before:
+        args["before"] = format_values(event.before)
+    if event.after is not None:
+        args["after"] = format_values(event.after)
+    if event.error:
+        args["error"] = event.error
+    return {key: value for key, value in args.items() if value is not None}
 
 
 # --------------------------------------------------------------------------- entry points

@@ -200,6 +200,7 @@ class DistributedMagics(Magics, Settings):
     @argument("--timeout", type=float, default=None, help="seconds before a hang is reported")
     @argument("--diagram", action="store_true", help="draw the torch.distributed calls the cell made")
     @argument("--trace", metavar="NAME", default=None, help="keep the cell's trace in variable NAME")
+    @argument("--profile", metavar="NAME", default=None, help="torch.profiler on every rank; keep it in NAME")
     @no_var_expand
     @cell_magic
     def distributed(self, line: str, cell: str) -> None:
@@ -215,6 +216,8 @@ class DistributedMagics(Magics, Settings):
         args = parse_argstring(self.distributed, line)
         if args.trace is not None:
             arguments.variable_name("--trace", args.trace)
+        if args.profile is not None:
+            arguments.variable_name("--profile", args.profile)
         timeout = arguments.timeout_or("--timeout", args.timeout, self.cell_timeout)
         cluster = self._ready_cluster(check_dead=False)  # sending the cell checks
         ranks = arguments.chosen_ranks(args.ranks, cluster.n)
@@ -229,15 +232,18 @@ class DistributedMagics(Magics, Settings):
                 waits,
                 trace_values_limit=self.trace_values_limit if traced else None,
                 input_allowed=cell_view.input_allowed(self.shell),
+                profiled=args.profile is not None,
             )
         except DeadRanks as dead:
             raise self._dead(dead.ranks) from None
         except ClusterError as error:
-            raise usage_error(f"--trace/--diagram: {error}") from None
+            raise usage_error(f"--trace/--diagram/--profile: {error}") from None
         outcome = cell_view.follow(run.steps(), self.shell)
         cell_view.show(outcome, self.collapse_identical, self.max_output_lines, args.diagram)
         if args.trace is not None:
             self.shell.user_ns[args.trace] = outcome.trace
+        if args.profile is not None:
+            self.shell.user_ns[args.profile] = outcome.profile
         if outcome.blocked:
             self._unfinished = run.answers
         if outcome.clean:

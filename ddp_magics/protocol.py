@@ -287,3 +287,35 @@ class DebuggerPrompt:
     number: int  # this rank's prompts so far in this cell
     output: str
     console: bool = False  # at pdb's ``interact`` console (Python lines), not at pdb's prompt
+
+
+# --------------------------------------------------------------------------- what a profile records
+PROFILE_KEY = "ddp_magics.profile"  # a RankProfile, published as a profiled cell ends
+# What a profiled slice of a rank's time was.
+COMPUTE, COMMUNICATION, LAUNCH = "compute", "communication", "launch"
+
+
+@dataclass(frozen=True)
+class ProfiledSlice:
+    """One range of a rank's profile. Times are seconds since the epoch on the rank's clock."""
+
+    name: str  # aten::addmm, gloo:all_reduce, c10d::allreduce_, a CUDA kernel's name
+    start: float
+    end: float
+    thread: int  # the profiler's thread number (CUDA: the stream)
+    kind: str  # COMPUTE, COMMUNICATION (the backend moving data), LAUNCH (a c10d:: call)
+    device: str = "cpu"  # "cpu" or "cuda"
+
+
+@dataclass(frozen=True)
+class RankProfile:
+    """What ``torch.profiler`` recorded on one rank during one cell."""
+
+    rank: int
+    slices: tuple[ProfiledSlice, ...]  # the top-level ranges of each thread, and every c10d/backend range
+    top_ops: tuple[tuple[str, int, float], ...]  # (op, calls, self seconds), the costliest first
+    started: float  # when profiling started, on the rank's clock
+    ended: float
+    activities: tuple[str, ...] = ("cpu",)
+    left_out: int = 0  # slices beyond the limit
+    error: str | None = None  # why nothing was recorded

@@ -20,6 +20,7 @@ from ddp_magics.cluster.engines import SIGNAL_SECONDS, CellAnswers, Engines
 from ddp_magics.cluster.lifecycle import ClusterProcesses
 from ddp_magics.cluster.records import (
     ENGINE_TIMEOUT_SECONDS,
+    LOCAL_HOST,
     ClusterConfig,
     ClusterError,
     DeadRanks,
@@ -28,7 +29,7 @@ from ddp_magics.cluster.records import (
     Recovery,
 )
 from ddp_magics.cluster.strays import this_host
-from ddp_magics.engine import debugging, recorder
+from ddp_magics.engine import debugging, profiling, recorder
 from ddp_magics.lifetime import process_alive
 
 Progress = Callable[[str], None]
@@ -162,12 +163,17 @@ class RankCluster:
 
     # --------------------------------------------------------------------- running
     def run_cell(
-        self, code: str, ranks: list[int], cell_number: int, trace_values_limit: int | None = None
+        self,
+        code: str,
+        ranks: list[int],
+        cell_number: int,
+        trace_values_limit: int | None = None,
+        profiled: bool = False,
     ) -> CellAnswers:
         """Start running ``code`` on ``ranks`` as the notebook's cell ``cell_number`` (traced,
         keeping the values of tensors of up to ``trace_values_limit`` elements, unless that is
-        None); returns at once. DeadRanks if a rank has died, a ClusterError if tracing could
-        not start."""
+        None; under ``torch.profiler`` if ``profiled``); returns at once. DeadRanks if a rank has
+        died, a ClusterError if tracing or profiling could not start."""
         dead = self.dead_ranks()
         if dead:
             raise DeadRanks(dead)
@@ -175,7 +181,24 @@ class RankCluster:
             self.engines.call_everywhere(
                 ranks, recorder.start_trace, trace_values_limit, failing="tracing could not start"
             )
+        if profiled:
+            self.engines.call_everywhere(ranks, profiling.start_profile, failing="profiling could not start")
         return self.engines.execute(protocol.numbered_cell(code, cell_number), ranks)
+
+    def clock_offsets(self, ranks: list[int], tries: int = 3) -> dict[int, float | None]:
+        """Each rank's clock minus this process's, in seconds: None for ranks on this machine
+        (one clock), else measured over the round trip with the least delay."""
+        elsewhere = [rank for rank in ranks if self.ranks[rank].address != LOCAL_HOST]
+        offsets: dict[int, float | None] = {rank: None for rank in ranks}
+        best: dict[int, float] = {}
+        for _ in range(tries if elsewhere else 0):
+            sent = time.time()
+            clocks = self.engines.call(elsewhere, profiling.clock)
+            round_trip = time.time() - sent
+            for rank, clock in clocks.items():
+                if round_trip < best.get(rank, float("inf")):
+                    best[rank], offsets[rank] = round_trip, clock - (sent + round_trip / 2)
+        return offsets
 
     def push(self, namespace: dict) -> None:
         self.engines.push(namespace)

@@ -1,0 +1,93 @@
+"""The picture of a :class:`~ddp_magics.profile.Profile`: one lane per rank on the shared clock,
+compute above (grey) and communication below (orange, each call named as ``--trace`` names it),
+the time each rank spent in ``c10d::`` calls as thin dark marks. A loop's hundreds of ranges stay
+readable: ranges are drawn as bars, and a name is written once per lane where its bar has room."""
+
+from __future__ import annotations
+
+from ddp_magics.figures import Diagram, rank_color
+from ddp_magics.protocol import COMMUNICATION, COMPUTE, LAUNCH, rank_label
+
+COMPUTE_COLOR, COMMUNICATION_COLOR, LAUNCH_COLOR = "#9e9e9e", "#ef6c00", "#37474f"
+LANE_HEIGHT = 1.0
+MAX_LANES = 16
+MIN_LABEL_FRACTION = 0.02  # of the drawn time: narrower bars go unnamed
+CHARACTER_FRACTION = 0.0065  # of the drawn time: the width of a character of a name
+
+
+def draw_profile(profile, max_spans: int = 4000) -> Diagram:
+    from matplotlib.figure import Figure
+
+    ranks = profile.ranks[:MAX_LANES]
+    end = max((span.end for rank in ranks for span in profile.spans[rank]), default=0.0) or 1e-3
+    figure = Figure(figsize=(11, 0.9 + 0.9 * len(ranks)))
+    axes = figure.add_axes((0.1, 0.9 / (0.9 + 0.9 * len(ranks)), 0.88, 1 - 1.1 / (0.9 + 0.9 * len(ranks))))
+    described = []
+    for lane, rank in enumerate(ranks):
+        y = -lane * LANE_HEIGHT
+        spans = profile.spans[rank][:max_spans]
+        rows = {
+            COMPUTE: [(s.start * 1e3, s.duration * 1e3) for s in spans if s.kind == COMPUTE],
+            COMMUNICATION: [(s.start * 1e3, s.duration * 1e3) for s in spans if s.kind == COMMUNICATION],
+            LAUNCH: [(s.start * 1e3, s.duration * 1e3) for s in spans if s.kind == LAUNCH],
+        }
+        axes.broken_barh(rows[COMPUTE], (y + 0.05, 0.35), color=COMPUTE_COLOR, gid=f"compute:{rank}")
+        axes.broken_barh(
+            rows[COMMUNICATION], (y - 0.4, 0.35), color=COMMUNICATION_COLOR, gid=f"communication:{rank}"
+        )
+        axes.broken_barh(rows[LAUNCH], (y - 0.02, 0.04), color=LAUNCH_COLOR, gid=f"launch:{rank}")
+        named, free_from = set(), 0.0
+        for index, span in enumerate(spans):
+            if span.kind != COMMUNICATION or not span.label:
+                continue
+            described.append(_short(span))
+            if span.duration < MIN_LABEL_FRACTION * end or span.label in named or span.start < free_from:
+                continue
+            named.add(span.label)
+            free_from = span.start + len(_short(span)) * CHARACTER_FRACTION * end
+            axes.text(
+                span.start * 1e3,
+                y - 0.45,
+                _short(span),
+                fontsize=7,
+                va="top",
+                ha="left",
+                clip_on=True,
+                gid=f"label:{rank}:{index}",
+            )
+    axes.set_yticks([-lane * LANE_HEIGHT for lane in range(len(ranks))])
+    axes.set_yticklabels([f"rank {rank}" for rank in ranks])
+    for label, rank in zip(axes.get_yticklabels(), ranks):
+        label.set_color(rank_color(rank))
+    axes.set_ylim(-(len(ranks) - 0.3) * LANE_HEIGHT - 0.2, 0.6)
+    axes.set_xlim(0, end * 1e3 * 1.01)
+    axes.set_xlabel("ms since the profile started (one clock for every rank)")
+    axes.set_title("compute (grey, above) and communication (orange, below) per rank", fontsize=10)
+    for side in ("top", "right"):
+        axes.spines[side].set_visible(False)
+    return Diagram(figure, _listing(profile, ranks, described))
+
+
+def _short(span) -> str:
+    """``all_reduce (DDP bucket 0), line 6``: the call without its group."""
+    label = span.label
+    if " on rank" in label:
+        op, _, rest = label.partition(" on rank")
+        maker = rest[rest.index("(") :] if "(" in rest else ""
+        label = f"{op} {maker}".strip()
+    return label + (f", line {span.line}" if span.line is not None else "")
+
+
+def _listing(profile, ranks: list[int], described: list[str]) -> str:
+    """What the picture shows, without times (deterministic, compared by nbval)."""
+    lines = [f"Profile of {rank_label(profile.ranks)}: a lane per rank, compute above, communication below"]
+    if len(profile.ranks) > len(ranks):
+        lines.append(f"(first {len(ranks)} ranks drawn)")
+    counts: dict[str, int] = {}
+    for label in described:
+        counts[label] = counts.get(label, 0) + 1
+    for label, count in counts.items():
+        per_rank = count / max(len(ranks), 1)
+        times = f" x{per_rank:g} per rank" if per_rank != 1 else ""
+        lines.append(f"  communication: {label}{times}")
+    return "\n".join(lines)

@@ -1,0 +1,133 @@
+"""``--profile`` on real gloo clusters: a DDP loop's all-reduces on every lane inside backward,
+overlap measured, the saved Chrome trace (one process per rank, clocks aligned), results equal
+with and without profiling, ``Trace.save``, a raising cell, and the rank's profiler lines kept
+out of the cell's output. (No GPU here: CUDA lanes are untested.)"""
+
+from __future__ import annotations
+
+import json
+
+from ddp_magics.errors import DistributedCellError
+from ddp_magics.protocol import COMMUNICATION, COMPUTE
+from tests.conftest import run_cell, shown_text
+
+DDP_LOOP = """
+import torch.nn as nn
+torch.manual_seed(0)
+model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.02)
+opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+x = torch.randn(16, 64) + rank
+for _ in range(3):
+    opt.zero_grad()
+    ddp(x).pow(2).mean().backward()
+    opt.step()
+print([round(float(p.sum()), 6) for p in model.parameters()])
+"""
+
+
+def bucket_spans(profile, rank):
+    return [s for s in profile.spans[rank] if s.kind == COMMUNICATION and "DDP bucket" in (s.label or "")]
+
+
+def check_ddp_profile(profile, ranks):
+    assert profile.ranks == ranks and not profile.missing
+    for rank in ranks:
+        buckets = bucket_spans(profile, rank)
+        assert len({s.label for s in buckets}) >= 2, "small buckets: several all-reduces per step"
+        backward = [s for s in profile.spans[rank] if s.kind == COMPUTE and "evaluate_function" in s.name]
+        launches = [
+            s for s in profile.spans[rank] if s.name == "c10d::allreduce_" and "DDP bucket" in s.label
+        ]
+        assert launches and len(launches) == len(buckets)
+        for launch in launches:  # DDP's reducer queues each bucket from inside backward
+            assert any(b.start <= launch.start <= b.end for b in backward), launch
+        row = profile.summary()[rank]
+        assert 0.0 <= row["overlap"] <= 1.0
+        assert row["communication"] > 0 and row["compute"] > 0
+        assert abs(row["overlapped"] + row["exposed"] - row["communication"]) < 1e-9
+        assert row["clock_offset"] is None  # one host, one clock
+    # Each bucket's all-reduce is running on every rank at once: the clocks are aligned.
+    counts = {len(bucket_spans(profile, rank)) for rank in ranks}
+    assert len(counts) == 1
+    for index in range(counts.pop()):
+        same = [bucket_spans(profile, rank)[index] for rank in ranks]
+        assert max(s.start for s in same) <= min(s.end for s in same), same
+
+
+def test_ddp_loop_profiled_on_every_lane(ip, cluster, tmp_path):
+    check_ddp_cell(ip, 2, tmp_path)
+
+
+def check_ddp_cell(ip, world, tmp_path):
+    captured, error = run_cell(ip, "--profile prof", DDP_LOOP)
+    assert error is None, error
+    profile = ip.user_ns["prof"]
+    check_ddp_profile(profile, list(range(world)))
+    text = captured.stdout + shown_text(captured)
+    assert f"Profile of ranks {'0,1' if world == 2 else '0-3'}" in text
+    assert "overlapped" in text and "all_reduce SUM (DDP bucket 0), line 9" in text
+    assert "USDT" not in text and "profiler_st" not in text  # kineto's lines stay out
+    diagram = profile.draw()
+    bars = [bar.get_gid() for bar in diagram.figure.axes[0].collections]
+    assert [gid for gid in bars if gid.startswith("communication:")] == [
+        f"communication:{rank}" for rank in range(world)
+    ]
+    assert any(gid.startswith("label:") for gid in diagram.gids("label:"))
+
+    saved = json.loads(profile.save(tmp_path / "profile.json").read_text())
+    names = {e["pid"]: e["args"]["name"] for e in saved["traceEvents"] if e["name"] == "process_name"}
+    assert names == {rank: f"rank {rank}" for rank in range(world)}
+    slices = [e for e in saved["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in slices} == set(range(world))
+    reduces = {
+        rank: [
+            e
+            for e in slices
+            if e["pid"] == rank and e["cat"] == COMMUNICATION and "DDP bucket 0" in e["name"]
+        ]
+        for rank in range(world)
+    }
+    first = [events[0] for events in reduces.values()]  # one clock in the file too
+    assert max(e["ts"] for e in first) <= min(e["ts"] + e["dur"] for e in first)
+
+
+def test_results_equal_with_and_without_profile(ip, cluster):
+    plain, error = run_cell(ip, "", DDP_LOOP)
+    assert error is None, error
+    profiled, error = run_cell(ip, "--profile prof --trace tr", DDP_LOOP)
+    assert error is None, error
+    weights = shown_text(plain).strip()
+    assert weights and weights in shown_text(profiled)
+    assert ip.user_ns["tr"].steps and ip.user_ns["prof"].ranks == [0, 1]  # the two combine
+
+
+def test_trace_save(ip, cluster, tmp_path):
+    _, error = run_cell(
+        ip, "--trace tr", "t = torch.tensor([rank + 1.0])\ndist.all_reduce(t)\ndist.broadcast(t, src=1)"
+    )
+    assert error is None, error
+    saved = json.loads(ip.user_ns["tr"].save(tmp_path / "trace.json").read_text())
+    names = {e["pid"]: e["args"]["name"] for e in saved["traceEvents"] if e["name"] == "process_name"}
+    assert names == {0: "rank 0", 1: "rank 1"}
+    calls = [e for e in saved["traceEvents"] if e["ph"] == "X" and e["pid"] == 0]
+    assert [e["name"] for e in calls] == ["all_reduce", "broadcast"]
+    assert calls[0]["args"]["before"] == "[1.0]" and calls[0]["args"]["after"] == "[3.0]"
+    assert calls[1]["args"]["call"] == "broadcast from rank 1 on ranks 0,1"
+    assert calls[0]["dur"] >= 0 and calls[1]["ts"] >= calls[0]["ts"]
+
+
+def test_raising_cell_keeps_its_profile(ip, cluster):
+    cell = "t = torch.ones(4)\ndist.all_reduce(t)\nif rank == 1:\n    raise ValueError('boom')\nprint('fine')"
+    _, error = run_cell(ip, "--profile prof", cell)
+    assert isinstance(error, DistributedCellError)
+    assert "boom" in str(error.render() if hasattr(error, "render") else error) or "ValueError" in str(error)
+    profile = ip.user_ns["prof"]
+    assert profile.ranks == [0, 1]
+    for rank in (0, 1):
+        assert any(s.label and s.label.startswith("all_reduce") for s in profile.spans[rank])
+
+
+def test_profile_name_checked(ip, cluster):
+    _, error = run_cell(ip, "--profile 1x", "pass")
+    assert error is not None and "--profile" in str(error)
