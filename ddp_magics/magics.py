@@ -272,7 +272,7 @@ class DistributedMagics(Magics, Settings):
     @magic_arguments()
     @line_magic
     def dist_status(self, line: str) -> StatusTable:
-        """Ranks, hosts, PIDs, devices, backend and whether each rank is alive.
+        """Ranks, hosts, PIDs, devices, backend, whether each rank is alive, and its memory.
 
         Example::
 
@@ -282,7 +282,8 @@ class DistributedMagics(Magics, Settings):
         if self.cluster is None:
             raise self._no_cluster()
         busy = self._unfinished.pending_ranks() if self._unfinished else []
-        return StatusTable(self.cluster.backend, self.cluster.status(), busy)
+        memory = self.cluster.memory(busy)
+        return StatusTable(self.cluster.backend, self.cluster.status(), busy, memory)
 
     @magic_arguments()
     @argument("names", nargs="+", metavar="NAME", help="notebook variables to copy")

@@ -198,8 +198,10 @@ def render(outputs: list[RankOutput], collapse: bool = True, max_lines: int = 20
 class StatusTable:
     """%dist_status: one row per rank."""
 
-    def __init__(self, backend: str, statuses: list, busy: list[int]) -> None:
+    def __init__(self, backend: str, statuses: list, busy: list[int], memory: dict | None = None) -> None:
         self.backend = backend
+        # {rank: RankMemory or None}: shown after the columns (``rows`` keeps the columns above).
+        self.memory = memory or {}
         # Ranks on several hosts: which address each host has (namespaces of one machine, or
         # machines, may share a host name).
         several_hosts = len({status.info.address for status in statuses}) > 1
@@ -216,10 +218,29 @@ class StatusTable:
             for status in statuses
         ]
 
+    def _shown(self) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+        """The columns and rows with each rank's memory (GPU memory where a rank has any)."""
+        if not self.memory:
+            return self.columns, self.rows
+        gpu = any(m is not None and m.cuda_reserved is not None for m in self.memory.values())
+        columns = (*self.columns, "resident", *(["cuda allocated", "cuda reserved"] if gpu else []))
+        rows = []
+        for row in self.rows:
+            found = self.memory.get(int(row[0]))
+            cells = [_bytes(found.resident if found else None)]
+            if gpu:
+                cells += [
+                    _bytes(found.cuda_allocated if found else None),
+                    _bytes(found.cuda_reserved if found else None),
+                ]
+            rows.append((*row, *cells))
+        return columns, rows
+
     def __repr__(self) -> str:
-        widths = [max(len(row[i]) for row in [self.columns, *self.rows]) for i in range(len(self.columns))]
+        columns, rows = self._shown()
+        widths = [max(len(row[i]) for row in [columns, *rows]) for i in range(len(columns))]
         lines = [f"backend {self.backend}, world size {len(self.rows)}"]
-        for row in [self.columns, *self.rows]:
+        for row in [columns, *rows]:
             lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
         return "\n".join(lines)
 
@@ -227,11 +248,21 @@ class StatusTable:
         printer.text(repr(self))
 
     def _repr_html_(self) -> str:
-        head = "".join(f"<th>{column}</th>" for column in self.columns)
+        columns, rows = self._shown()
+        head = "".join(f"<th>{column}</th>" for column in columns)
         body = "".join(
-            "<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>" for row in self.rows
+            "<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>" for row in rows
         )
         return (
             f"<p>backend {html.escape(self.backend)}, world size {len(self.rows)}</p>"
             f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
         )
+
+
+def _bytes(count: int | None) -> str:
+    """``1.2 GiB``, ``350.0 MiB``; ``?`` when unknown."""
+    if count is None:
+        return "?"
+    if count >= 1 << 30:
+        return f"{count / (1 << 30):.1f} GiB"
+    return f"{count / (1 << 20):.1f} MiB"

@@ -58,7 +58,7 @@ class Profile:
         self.missing = sorted(missing)  # ranks whose profile did not come back (still running, dead)
         shift = {rank: offsets.get(rank) or 0.0 for rank in self.profiles}
         usable = [p for p in self.profiles.values() if p.error is None]
-        self.origin = min((p.started - shift[p.rank] for p in usable), default=0.0)
+        self.origin = min((p.started - shift[p.rank] for p in usable), default=0.0)  # the first cell start
         self.spans: dict[int, list[Span]] = {
             rank: _spans(profile, shift[rank] + self.origin, (events or {}).get(rank, []))
             for rank, profile in self.profiles.items()

@@ -1,7 +1,8 @@
 """The picture of a :class:`~ddp_magics.profile.Profile`: one lane per rank on the shared clock,
 compute above (grey) and communication below (orange, each call named as ``--trace`` names it),
 the time each rank spent in ``c10d::`` calls as thin dark marks. A loop's hundreds of ranges stay
-readable: ranges are drawn as bars, and a name is written once per lane where its bar has room."""
+readable: ranges are drawn as bars, and each call's name is written once per lane, under its
+first bar, where no other name is."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from ddp_magics.figures import Diagram, rank_color
 from ddp_magics.protocol import COMMUNICATION, COMPUTE, LAUNCH, rank_label
 
 COMPUTE_COLOR, COMMUNICATION_COLOR, LAUNCH_COLOR = "#9e9e9e", "#ef6c00", "#37474f"
-LANE_HEIGHT = 1.0
+LANE_HEIGHT = 1.3
+LABEL_ROWS = 3  # under each lane
 MAX_LANES = 16
-MIN_LABEL_FRACTION = 0.02  # of the drawn time: narrower bars go unnamed
 CHARACTER_FRACTION = 0.0065  # of the drawn time: the width of a character of a name
 
 
@@ -20,8 +21,9 @@ def draw_profile(profile, max_spans: int = 4000) -> Diagram:
 
     ranks = profile.ranks[:MAX_LANES]
     end = max((span.end for rank in ranks for span in profile.spans[rank]), default=0.0) or 1e-3
-    figure = Figure(figsize=(11, 0.9 + 0.9 * len(ranks)))
-    axes = figure.add_axes((0.1, 0.9 / (0.9 + 0.9 * len(ranks)), 0.88, 1 - 1.1 / (0.9 + 0.9 * len(ranks))))
+    height = 0.9 + 1.2 * len(ranks)
+    figure = Figure(figsize=(11, height))
+    axes = figure.add_axes((0.1, 0.8 / height, 0.88, 1 - 1.1 / height))
     described = []
     for lane, rank in enumerate(ranks):
         y = -lane * LANE_HEIGHT
@@ -36,18 +38,19 @@ def draw_profile(profile, max_spans: int = 4000) -> Diagram:
             rows[COMMUNICATION], (y - 0.4, 0.35), color=COMMUNICATION_COLOR, gid=f"communication:{rank}"
         )
         axes.broken_barh(rows[LAUNCH], (y - 0.02, 0.04), color=LAUNCH_COLOR, gid=f"launch:{rank}")
-        named, free_from = set(), 0.0
+        named, free_from = set(), [0.0] * LABEL_ROWS
         for index, span in enumerate(spans):
             if span.kind != COMMUNICATION or not span.label:
                 continue
             described.append(_short(span))
-            if span.duration < MIN_LABEL_FRACTION * end or span.label in named or span.start < free_from:
+            row = next((row for row in range(LABEL_ROWS) if free_from[row] <= span.start), None)
+            if span.label in named or row is None:
                 continue
             named.add(span.label)
-            free_from = span.start + len(_short(span)) * CHARACTER_FRACTION * end
+            free_from[row] = span.start + len(_short(span)) * CHARACTER_FRACTION * end
             axes.text(
                 span.start * 1e3,
-                y - 0.45,
+                y - 0.45 - 0.17 * row,
                 _short(span),
                 fontsize=7,
                 va="top",
@@ -59,7 +62,7 @@ def draw_profile(profile, max_spans: int = 4000) -> Diagram:
     axes.set_yticklabels([f"rank {rank}" for rank in ranks])
     for label, rank in zip(axes.get_yticklabels(), ranks):
         label.set_color(rank_color(rank))
-    axes.set_ylim(-(len(ranks) - 0.3) * LANE_HEIGHT - 0.2, 0.6)
+    axes.set_ylim(-(len(ranks) - 1) * LANE_HEIGHT - 1.0, 0.6)
     axes.set_xlim(0, end * 1e3 * 1.01)
     axes.set_xlabel("ms since the profile started (one clock for every rank)")
     axes.set_title("compute (grey, above) and communication (orange, below) per rank", fontsize=10)

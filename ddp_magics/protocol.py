@@ -319,3 +319,13 @@ class RankProfile:
     activities: tuple[str, ...] = ("cpu",)
     left_out: int = 0  # slices beyond the limit
     error: str | None = None  # why nothing was recorded
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """A rank's memory, in bytes: resident (its process's RSS) and, on a GPU, what torch's
+    caching allocator has allocated and reserved on its device (None on CPU)."""
+
+    resident: int
+    cuda_allocated: int | None = None
+    cuda_reserved: int | None = None

@@ -131,3 +131,14 @@ def test_raising_cell_keeps_its_profile(ip, cluster):
 def test_profile_name_checked(ip, cluster):
     _, error = run_cell(ip, "--profile 1x", "pass")
     assert error is not None and "--profile" in str(error)
+
+
+def test_status_shows_each_ranks_resident_memory(ip, cluster):
+    table = ip.run_line_magic("dist_status", "")
+    assert table.columns == ("rank", "host", "pid", "device", "state")  # rows as before
+    header, *rows = repr(table).splitlines()[1:]
+    assert header.split()[-1] == "resident" and "cuda" not in header  # no GPU here
+    for rank, row in zip((0, 1), rows):
+        resident = table.memory[rank].resident
+        assert 50 << 20 < resident < 8 << 30  # an engine with torch imported
+        assert row.endswith(f"{resident / (1 << 20):.1f} MiB")

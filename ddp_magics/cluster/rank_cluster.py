@@ -7,6 +7,7 @@ knows about IPython: progress goes to a callback, answers come back as plain rec
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import signal
 import time
@@ -160,6 +161,20 @@ class RankCluster:
     def status(self) -> list[RankStatus]:
         dead = set(self.dead_ranks())
         return [RankStatus(info=info, alive=info.rank not in dead) for info in self.ranks]
+
+    def memory(self, busy: list[int]) -> dict[int, protocol.RankMemory | None]:
+        """Each live rank's memory: asked of idle ranks (GPU memory too); for ``busy`` ranks
+        (running a cell) on this machine, their process's resident memory; else None."""
+        dead = set(self.dead_ranks())
+        idle = [info.rank for info in self.ranks if info.rank not in dead and info.rank not in busy]
+        found: dict[int, protocol.RankMemory | None] = {info.rank: None for info in self.ranks}
+        found.update(self.engines.call(idle, profiling.memory) if idle else {})
+        for rank in busy:
+            info = self.ranks[rank]
+            if info.address == LOCAL_HOST and rank not in dead:
+                with contextlib.suppress(psutil.Error):
+                    found[rank] = protocol.RankMemory(psutil.Process(info.pid).memory_info().rss)
+        return found
 
     # --------------------------------------------------------------------- running
     def run_cell(

@@ -1,16 +1,16 @@
 """``torch.profiler`` on a rank for one cell (the engine side of ``--profile``).
 
-``start_profile`` enters a profiler just before the next cell (CPU, and CUDA where the rank has a
-GPU); as the cell ends (IPython's ``post_execute``, also when it raised) the profiler stops and
-what it recorded is reduced to a :class:`~ddp_magics.protocol.RankProfile` published to the
-notebook (``PROFILE_KEY``): each thread's top-level ranges, every ``c10d::`` call (also those
-DDP's reducer makes inside backward) and every range of the backend moving data (``gloo:*`` on
-gloo's threads, NCCL's kernels on the GPU), on the rank's clock (the profiler's start is seconds
-since the epoch, ``kineto_results.trace_start_ns``). The notebook merges the ranks' profiles.
+``start_profile``, sent just before a cell, makes a profiler (CPU, and CUDA where the rank has a
+GPU) that starts as the cell does (IPython's ``pre_execute``). As the cell ends
+(``post_execute``, also when it raised) the profiler stops, and what it recorded is reduced to a
+:class:`~ddp_magics.protocol.RankProfile` published to the notebook (``PROFILE_KEY``): each
+thread's top-level ops, every ``c10d::`` call (also those DDP's reducer makes inside backward)
+and every range of the backend moving data (``gloo:*`` on gloo's threads, NCCL's kernels on the
+GPU), in seconds since the epoch on the rank's clock (kineto's times are). The notebook merges
+the ranks' profiles (:mod:`ddp_magics.profile`). ``memory()`` answers ``%dist_status``.
 
 The profiler's C++ side (kineto) writes lines with PIDs and times to file descriptor 2: they are
-kept out of the cell's output (the rank's stderr is sent to /dev/null while the profiler starts
-and stops).
+kept out of the cell's output (fd 2 goes to /dev/null while the profiler starts and stops).
 """
 
 from __future__ import annotations
@@ -19,7 +19,15 @@ import os
 import sys
 from contextlib import contextmanager
 
-from ddp_magics.protocol import COMMUNICATION, COMPUTE, LAUNCH, PROFILE_KEY, ProfiledSlice, RankProfile
+from ddp_magics.protocol import (
+    COMMUNICATION,
+    COMPUTE,
+    LAUNCH,
+    PROFILE_KEY,
+    ProfiledSlice,
+    RankMemory,
+    RankProfile,
+)
 
 MAX_SLICES = 200_000  # per rank and cell
 TOP_OPS = 8
@@ -59,52 +67,82 @@ class CellProfiler:
             )
 
     def _reduce(self) -> RankProfile:
+        """The profiler's raw events (not its Python event tree, ten times slower to build)
+        reduced to the slices the notebook needs, nesting found per thread by containment."""
         results = self._profile.profiler.kineto_results
         origin = results.trace_start_ns() / 1e9
-        slices = []
-        left_out = 0
-        last = origin
-        for event in self._profile.events():
-            kind = _kind(event)
-            if kind is None:
-                continue
-            start = origin + event.time_range.start / 1e6
-            end = origin + event.time_range.end / 1e6
-            last = max(last, end)
-            if len(slices) >= MAX_SLICES:
-                left_out += 1
-                continue
-            device = "cuda" if event.device_type.name == "CUDA" else "cpu"
-            thread = event.device_index * 1000 + event.thread if device == "cuda" else event.thread
-            slices.append(ProfiledSlice(event.name, start, end, thread, kind, device))
-        averages = sorted(
-            (
-                (average.key, average.count, average.self_cpu_time_total / 1e6)
-                for average in self._profile.key_averages()
-                if not average.key.startswith(("c10d::", *BACKEND_PREFIXES))
-            ),
-            key=lambda op: -op[2],
+        by_thread: dict[tuple[str, int], list] = {}
+        for event in results.events():
+            on_gpu = event.device_type().name == "CUDA"
+            thread = event.device_resource_id() if on_gpu else event.start_thread_id()
+            by_thread.setdefault(("cuda" if on_gpu else "cpu", thread), []).append(event)
+        slices: list[ProfiledSlice] = []
+        self_times: dict[str, list] = {}  # op -> [calls, self nanoseconds]
+        left_out, last = 0, origin
+        for (device, thread), events in by_thread.items():
+            for name, start, end, kind, self_ns in _nested(events, device):
+                last = max(last, end / 1e9)
+                if kind != LAUNCH and kind != COMMUNICATION:
+                    totals = self_times.setdefault(name, [0, 0])
+                    totals[0] += 1
+                    totals[1] += self_ns
+                if kind is None:
+                    continue
+                if len(slices) >= MAX_SLICES:
+                    left_out += 1
+                    continue
+                slices.append(ProfiledSlice(name, start / 1e9, end / 1e9, thread, kind, device))
+        top = sorted(
+            ((name, calls, ns / 1e9) for name, (calls, ns) in self_times.items()), key=lambda op: -op[2]
         )
         return RankProfile(
-            self.rank, tuple(slices), tuple(averages[:TOP_OPS]), origin, last, self.activities, left_out
+            self.rank, tuple(slices), tuple(top[:TOP_OPS]), origin, last, self.activities, left_out
         )
 
 
-def _kind(event) -> str | None:
-    """What an event of the profile was, or None for one inside another op of its thread."""
-    name = event.name
-    if event.device_type.name == "CUDA":
-        return COMMUNICATION if "nccl" in name.lower() else COMPUTE
-    if name.startswith(BACKEND_PREFIXES):
-        return COMMUNICATION
-    if name.startswith("c10d::"):
-        return LAUNCH
-    if event.scope == USER_SCOPE:  # record_function: DistributedDataParallel.forward, Optimizer.step
-        return None  # it may wait for communication; what it runs counts
-    parent = event.cpu_parent
-    while parent is not None and parent.scope == USER_SCOPE:
-        parent = parent.cpu_parent
-    return COMPUTE if parent is None else None
+def _nested(events: list, device: str):
+    """(name, start ns, end ns, kind, self ns) of one thread's ops. Kind None: an op inside
+    another op. ``record_function`` ranges (``DistributedDataParallel.forward``) are seen
+    through and left out: they may wait for communication; what runs inside them counts. Ops
+    inside a backend's range (gloo copying its buffers) are left out too."""
+    events = sorted(events, key=lambda e: (e.start_ns(), -e.duration_ns()))
+    open_ranges: list[list] = []  # [end ns, 1 if an op else 0, children's ns, its row]
+    rows = []
+    ops_open = 0
+    for event in events:
+        start, end = event.start_ns(), event.end_ns()
+        while open_ranges and open_ranges[-1][0] <= start:
+            closed = open_ranges.pop()
+            ops_open -= closed[1]
+            closed[3][4] -= closed[2]
+        name = event.name()
+        communication = name.startswith(("c10d::", *BACKEND_PREFIXES))  # gloo's ranges are user-scoped
+        annotation = (
+            device == "cpu"
+            and not communication
+            and (event.scope() == USER_SCOPE or event.is_user_annotation())
+        )
+        if device == "cuda":
+            kind = COMMUNICATION if "nccl" in name.lower() else COMPUTE
+        elif name.startswith(BACKEND_PREFIXES):
+            kind = COMMUNICATION
+        elif name.startswith("c10d::"):
+            kind = LAUNCH
+        elif annotation or ops_open:
+            kind = None
+        else:
+            kind = COMPUTE
+        if open_ranges:
+            open_ranges[-1][2] += end - start
+        row = [name, start, end, kind, end - start, annotation]
+        rows.append(row)
+        open_ranges.append([end, 0 if annotation else 1, 0, row])
+        ops_open += 0 if annotation else 1
+    for closed in open_ranges:
+        closed[3][4] -= closed[2]
+    for name, start, end, kind, self_ns, annotation in rows:
+        if not annotation:
+            yield name, start, end, kind, self_ns
 
 
 @contextmanager
@@ -134,16 +172,27 @@ def start_profile() -> None:
     if _profiler is not None and _profiler.active:
         _stop_profile()
     _profiler = CellProfiler()
-    _profiler.start()
-    get_ipython().events.register("post_execute", _stop_profile)
+    events = get_ipython().events
+    events.register("pre_execute", _start_profile)
+    events.register("post_execute", _stop_profile)
+
+
+def _start_profile() -> None:
+    """As the cell starts (so that its profile is the cell's, not the wait for it)."""
+    from IPython import get_ipython
+
+    get_ipython().events.unregister("pre_execute", _start_profile)
+    if _profiler is not None:
+        _profiler.start()
 
 
 def _stop_profile() -> None:
     from IPython import get_ipython
 
     events = get_ipython().events
-    if _stop_profile in events.callbacks["post_execute"]:
-        events.unregister("post_execute", _stop_profile)
+    for event, callback in (("pre_execute", _start_profile), ("post_execute", _stop_profile)):
+        if callback in events.callbacks[event]:
+            events.unregister(event, callback)
     if _profiler is not None and _profiler.active:
         # Still inside the cell: the message belongs to it, and arrives before its end.
         get_ipython().data_pub.publish_data({PROFILE_KEY: _profiler.stop()})
@@ -161,3 +210,14 @@ def clock() -> float:
     import time
 
     return time.time()
+
+
+def memory() -> RankMemory:
+    """This rank's resident memory and, on a GPU, its device's allocated and reserved memory."""
+    import psutil
+    import torch
+
+    resident = psutil.Process().memory_info().rss
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return RankMemory(resident)
+    return RankMemory(resident, torch.cuda.memory_allocated(), torch.cuda.memory_reserved())
