@@ -74,6 +74,7 @@ def _event_args(event: TraceEvent) -> dict:
         "status": event.status,
         "line": event.line,
         "made_by": event.made_by,
+        "mesh_dim": event.mesh_dim,
     }
     if event.primary is not None:
         args["shape"], args["dtype"] = list(event.primary.shape), event.primary.dtype

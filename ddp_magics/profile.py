@@ -36,6 +36,7 @@ class Span:
     device: str = "cpu"
     label: str | None = None  # communication: the call, as --trace names it
     line: int | None = None  # ... and the cell's line that led to it
+    mesh_dim: str | None = None  # ... and its DeviceMesh dimension ("tp", "dp"), if any
 
     @property
     def duration(self) -> float:
@@ -115,6 +116,8 @@ class Profile:
                     args["call"] = span.label
                 if span.line is not None:
                     args["line"] = span.line
+                if span.mesh_dim is not None:
+                    args["mesh_dim"] = span.mesh_dim
                 chrome.slice(
                     rank,
                     thread,
@@ -174,12 +177,13 @@ def _spans(profile: RankProfile, shift: float, events: list[TraceEvent]) -> list
     queued = _launch_of_transfers(slices, launches)
     spans = []
     for index, piece in enumerate(slices):
-        label = line = None
+        label = line = mesh_dim = None
         launch = piece if piece.kind == LAUNCH else queued.get(index)
         if launch is not None:
             call = calls.get(id(launch))
-            label = call.call() if call is not None else _op_name(launch.name)
-            line = call.line if call is not None else None
+            label = call_label(call) if call is not None else _op_name(launch.name)
+            if call is not None:
+                line, mesh_dim = call.line, call.mesh_dim
         spans.append(
             Span(
                 piece.name,
@@ -190,9 +194,17 @@ def _spans(profile: RankProfile, shift: float, events: list[TraceEvent]) -> list
                 piece.device,
                 label,
                 line,
+                mesh_dim,
             )
         )
     return spans
+
+
+def call_label(event: TraceEvent) -> str:
+    """The call as ``--trace`` names it, with its mesh dimension: ``all_gather on tp ranks 0,1
+    (DTensor)``."""
+    label = event.call()
+    return label.replace(" on rank", f" on {event.mesh_dim} rank", 1) if event.mesh_dim else label
 
 
 def _calls_of_launches(launches: list, events: list[TraceEvent]) -> dict[int, TraceEvent]:

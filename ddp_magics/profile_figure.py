@@ -72,12 +72,14 @@ def draw_profile(profile, max_spans: int = 4000) -> Diagram:
 
 
 def _short(span) -> str:
-    """``all_reduce (DDP bucket 0), line 6``: the call without its group."""
+    """``all_reduce (DDP bucket 0), line 6``: the call without its group's ranks, with its mesh
+    dimension (``all_gather [tp] (DTensor)``)."""
     label = span.label
-    if " on rank" in label:
-        op, _, rest = label.partition(" on rank")
+    if " rank" in label and " on " in label:
+        op, _, rest = label.partition(" on ")
         maker = rest[rest.index("(") :] if "(" in rest else ""
-        label = f"{op} {maker}".strip()
+        mesh = f"[{span.mesh_dim}]" if span.mesh_dim else ""
+        label = " ".join(part for part in (op, mesh, maker) if part)
     return label + (f", line {span.line}" if span.line is not None else "")
 
 

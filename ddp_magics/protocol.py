@@ -185,6 +185,8 @@ class TraceEvent:
     # Who made the call, if not the cell through torch.distributed's functions: "DDP bucket 0",
     # "DDP construction", "DTensor", "FSDP", "pipelining", "broadcast_object_list", ...
     made_by: str | None = None
+    # The DeviceMesh dimension whose group it ran on ("tp", "dp"), if a mesh made the group.
+    mesh_dim: str | None = None
 
     @property
     def is_collective(self) -> bool:

@@ -76,6 +76,11 @@ def draw_timeline(trace: MatchedTrace) -> figures.Diagram:
             mismatched = any(m.involves(event) for m in trace.mismatches)
             edge = figures.MISMATCH_COLOR if mismatched else figures.rank_color(rank)
             label = f"{labels.get((rank, event.seq), number)} {_short_op(event)}\n{_short_values(event)}"
+            who = " ".join(
+                part for part in (f"[{event.mesh_dim}]" if event.mesh_dim else "", event.made_by) if part
+            )
+            if who:  # who made it, on which mesh dimension (the listing names the makers too)
+                label += "\n" + textwrap.shorten(who, 22, placeholder="...")
             x, y = x_of(step.columns[rank]), y_of(rank)
             figures.draw_box(
                 axes, x, y, EVENT_WIDTH, 0.62, label, edge, f"event:{rank}:{event.seq}", fontsize=7.5

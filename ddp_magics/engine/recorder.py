@@ -271,6 +271,7 @@ class Tracer:
             line=site.line(frames),
             made_by=made_by,
             start=started,
+            mesh_dim=group[3] if group[3] != "default" else None,
         )
         if api is not None and spec.async_op is not None:
             # The dispatcher leaves out trailing arguments equal to their default (True here).
@@ -352,13 +353,17 @@ class Tracer:
         event.end = time.time()
         event.status = ERROR
 
-    def _group(self, group) -> tuple[object, tuple[int, ...], str]:
-        """(group, its global ranks in group-rank order, its name), cached."""
+    def _group(self, group) -> tuple[object, tuple[int, ...], str, str | None]:
+        """(group, its global ranks in group-rank order, its name, its DeviceMesh dimension's
+        name if a mesh made it), cached."""
         entry = self._groups.get(id(group))
         if entry is None:
             ranks = tuple(self._dist.get_process_group_ranks(group))
+            # DeviceMesh describes each dimension's group as mesh_<dimension> (mesh_tp, mesh_dp).
+            description = getattr(group, "group_desc", "") or ""
+            mesh_dim = description.removeprefix("mesh_") if description.startswith("mesh_") else None
             # The group object is kept in the entry so that its id is not reused while cached.
-            entry = self._groups[id(group)] = (group, ranks, group.group_name)
+            entry = self._groups[id(group)] = (group, ranks, group.group_name, mesh_dim)
         return entry
 
 
