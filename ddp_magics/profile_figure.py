@@ -34,8 +34,13 @@ def draw_profile(profile, max_spans: int = 4000) -> Diagram:
             LAUNCH: [(s.start * 1e3, s.duration * 1e3) for s in spans if s.kind == LAUNCH],
         }
         axes.broken_barh(rows[COMPUTE], (y + 0.05, 0.35), color=COMPUTE_COLOR, gid=f"compute:{rank}")
-        axes.broken_barh(
-            rows[COMMUNICATION], (y - 0.4, 0.35), color=COMMUNICATION_COLOR, gid=f"communication:{rank}"
+        axes.broken_barh(  # a white edge between calls the backend ran back to back
+            rows[COMMUNICATION],
+            (y - 0.4, 0.35),
+            facecolor=COMMUNICATION_COLOR,
+            edgecolor="white",
+            linewidth=0.6,
+            gid=f"communication:{rank}",
         )
         axes.broken_barh(rows[LAUNCH], (y - 0.02, 0.04), color=LAUNCH_COLOR, gid=f"launch:{rank}")
         named, free_from = set(), [0.0] * LABEL_ROWS
