@@ -24,7 +24,6 @@ import statistics
 import sys
 import time
 
-import ipyparallel as ipp
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
 
@@ -48,6 +47,16 @@ def magics_of(shell: InteractiveShell) -> DistributedMagics:
     raise RuntimeError("ddp_magics is not loaded in this shell")
 
 
+def raw_view(cluster):
+    """A DirectView of the cluster's engines on the cluster's own ipyparallel client (a second
+    client can miss the first output messages it subscribes to, and wait for them forever).
+    Older trees, which benchmarks/compare_trees.py runs this against, kept it on the cluster."""
+    engines = getattr(cluster, "engines", None)
+    if engines is not None:
+        return engines._client[engines.engine_ids()]
+    return cluster._client[cluster.engine_ids()]
+
+
 def stop_cluster(shell: InteractiveShell) -> None:
     with capture_output():
         shell.run_line_magic("dist_stop", "")
@@ -55,16 +64,11 @@ def stop_cluster(shell: InteractiveShell) -> None:
 
 def measure(shell: InteractiveShell, n: int, cells: int, warmup: int) -> dict:
     """Start an n-rank cluster, time ``cells`` cells of each kind on it, stop it."""
-    client = None
     try:
         with capture_output() as captured:
             shell.run_line_magic("dist_start", f"-n {n} --backend gloo")
         print(f"  {captured.stdout.strip()}", flush=True)
-        # A client of its own, as any ipyparallel user has, on the cluster's connection file.
-        workdir = magics_of(shell).cluster.workdir
-        [connection_file] = (workdir / "profile" / "security").glob("ipcontroller-*client.json")
-        client = ipp.Client(str(connection_file))
-        view = client[sorted(client.ids)]
+        view = raw_view(magics_of(shell).cluster)
 
         def raw() -> float:
             started = time.perf_counter()
@@ -96,8 +100,6 @@ def measure(shell: InteractiveShell, n: int, cells: int, warmup: int) -> dict:
             for kind in kinds[shift:] + kinds[:shift]:
                 times[kind].append(kind())
     finally:
-        if client is not None:
-            client.close()
         stop_cluster(shell)
     raw_times, px_times, our_times = times[raw], times[px], times[ours]
     return {

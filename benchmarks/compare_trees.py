@@ -21,7 +21,15 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 THIS_TREE = HERE.parent
-STARTUP_NAMES = ("import (reference)", "start n=2", "start n=4", "restart after a hang n=4", "stop n=4")
+STARTUP_NAMES = (
+    "import (reference)",
+    "start n=2",
+    "start n=4",
+    "restart after a hang n=4",
+    "stop n=4",
+    "start n=16",
+    "restart after a hang n=16",
+)
 LATENCY_ROW = re.compile(r"^\s*(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s")
 
 

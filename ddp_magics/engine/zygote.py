@@ -77,6 +77,9 @@ ENGINE_MODULES = (
     "ddp_magics.engine.rank",
     "ddp_magics.engine.recorder",
 )
+# The zygote formats a traceback through torch.distributed once it has forked nothing for this
+# long (the engines of a start have their first cell by then): see rank.warm_up_error_reports.
+WARM_UP_WHEN_IDLE_SECONDS = 2.0
 REQUEST_CHUNK = 1 << 16
 MAX_REQUEST_BYTES = 1 << 24  # an engine's whole environment fits many times over
 MAX_FDS = 2
@@ -98,6 +101,7 @@ def main() -> None:
     record_process(cluster_dir, os.getpid())
     lifeline = lifeline_connection(os.environ[LIFELINE_ENV]) if os.environ.get(LIFELINE_ENV) else None
     _import_what_engines_import()
+    from ddp_magics.engine import rank
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     with unix_address(cluster_dir / SOCKET_NAME) as address:
@@ -121,7 +125,12 @@ def main() -> None:
     polled = owner.on_this_machine and owner_gone is None
     while True:
         watched = [listener, child_ended, *ended, *stopped]
-        readable, _, _ = select.select(watched, [], [], POLL_SECONDS if polled else None)
+        idle_seconds = POLL_SECONDS if polled else None
+        if not rank.error_reports_warm():
+            idle_seconds = min(idle_seconds or WARM_UP_WHEN_IDLE_SECONDS, WARM_UP_WHEN_IDLE_SECONDS)
+        readable, _, _ = select.select(watched, [], [], idle_seconds)
+        if not readable and not rank.error_reports_warm():
+            rank.warm_up_error_reports()  # for the engines forked from now on (restarts, replacements)
         if child_ended in readable:
             while len(os.read(child_ended, 1 << 12)) == 1 << 12:
                 pass
