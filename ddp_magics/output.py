@@ -7,48 +7,13 @@ whole output is identical share one block headed ``[ranks 0-3]`` or ``[ranks 0,2
 from __future__ import annotations
 
 import html
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from ddp_magics.cluster.records import RankOutput
 from ddp_magics.protocol import format_ranks, rank_label
 
-TEXT_ONLY_MIMETYPES = {"text/plain"}
 # Characters of a rank's stdout (and of its stderr) shown at most, whatever its number of lines.
 MAX_SHOWN_CHARS = 100_000
-
-
-@dataclass
-class RankOutput:
-    """Everything one rank produced in one cell, as plain data."""
-
-    rank: int
-    stdout: str = ""
-    stderr: str = ""
-    result: dict | None = None  # the last expression's mimebundle
-    displays: list[dict] = field(default_factory=list)  # {"data": ..., "metadata": ...}
-
-    @property
-    def rich_displays(self) -> list[dict]:
-        """Displays, plus a last-expression value that is more than text (e.g. a figure)."""
-        if self.result and set(self.result) - TEXT_ONLY_MIMETYPES:
-            return [*self.displays, {"data": self.result, "metadata": {}}]
-        return self.displays
-
-    @property
-    def result_text(self) -> str:
-        if self.result and not set(self.result) - TEXT_ONLY_MIMETYPES:
-            return self.result.get("text/plain", "")
-        return ""
-
-    def is_empty(self) -> bool:
-        return not (self.stdout or self.stderr or self.result or self.displays)
-
-    def signature(self) -> tuple:
-        """Equal signatures mean the ranks' outputs can share one block."""
-        displays = tuple(
-            tuple(sorted((key, str(value)) for key, value in item["data"].items()))
-            for item in self.rich_displays
-        )
-        return (self.stdout, self.stderr, self.result_text, displays)
 
 
 def tail(
