@@ -49,15 +49,17 @@ class Profile:
     def __init__(
         self,
         profiles: dict[int, RankProfile],
-        offsets: dict[int, float | None],
+        offsets: dict[int, tuple[float, float] | None],
         events: dict[int, list[TraceEvent]] | None = None,
         missing: list[int] = (),
     ) -> None:
-        """``offsets``: each rank's clock minus the notebook's (None: same host, same clock)."""
+        """``offsets``: each rank's clock minus the notebook's and how far off that may be, in
+        seconds (None: the notebook's host, the same clock)."""
         self.profiles = dict(sorted(profiles.items()))
-        self.offsets = offsets
+        self.offset_bounds = {rank: pair[1] for rank, pair in offsets.items() if pair is not None}
+        self.offsets = {rank: None if pair is None else pair[0] for rank, pair in offsets.items()}
         self.missing = sorted(missing)  # ranks whose profile did not come back (still running, dead)
-        shift = {rank: offsets.get(rank) or 0.0 for rank in self.profiles}
+        shift = {rank: self.offsets.get(rank) or 0.0 for rank in self.profiles}
         usable = [p for p in self.profiles.values() if p.error is None]
         self.origin = min((p.started - shift[p.rank] for p in usable), default=0.0)  # the first cell start
         self.spans: dict[int, list[Span]] = {
@@ -73,7 +75,8 @@ class Profile:
         """Per rank, in seconds: ``wall``, ``compute``, ``communication``, ``overlapped`` (the
         communication during compute), ``exposed`` (the rest), ``overlap`` (overlapped over
         communication, None without communication), ``top_ops`` ((op, calls, self seconds), the
-        costliest first), and ``clock_offset`` (None: the notebook's host, the same clock)."""
+        costliest first), ``clock_offset`` (None: the notebook's host, the same clock; 0.0: the
+        clocks agree within ``clock_offset_bound``) and ``clock_offset_bound``."""
         summary = {}
         for rank, spans in self.spans.items():
             profile = self.profiles[rank]
@@ -89,6 +92,7 @@ class Profile:
                 "overlap": overlapped / busy if busy else None,
                 "top_ops": list(profile.top_ops),
                 "clock_offset": self.offsets.get(rank),
+                "clock_offset_bound": self.offset_bounds.get(rank),
                 "error": profile.error,
             }
         return summary
@@ -128,7 +132,9 @@ class Profile:
                     args,
                 )
         offsets = {str(rank): offset for rank, offset in self.offsets.items()}
-        return chrome.save(path, {"source": "ddp_magics --profile", "clock_offsets_seconds": offsets})
+        bounds = {str(rank): bound for rank, bound in self.offset_bounds.items()}
+        other = {"clock_offsets_seconds": offsets, "clock_offset_bounds_seconds": bounds}
+        return chrome.save(path, {"source": "ddp_magics --profile", **other})
 
     def _repr_pretty_(self, printer, cycle: bool) -> None:
         printer.text(self.text())
@@ -158,7 +164,9 @@ def summary_text(profile: Profile, times: bool = True) -> str:
             lines.append(f"  top ops: {top}")
     for rank, offset in profile.offsets.items():
         if offset is not None:
-            lines.append(f"rank {rank}: another host, its clock {offset * 1e3:+.3f} ms from the notebook's")
+            bound = profile.offset_bounds[rank] * 1e3
+            measured = f"{offset * 1e3:+.1f} ms from the notebook's (measured, ± {bound:.1f} ms)"
+            lines.append(f"rank {rank}: its clock {measured}")
     if profile.missing:
         lines.append(f"{rank_label(profile.missing)}: no profile (still running or died)")
     return "\n".join(lines)

@@ -7,6 +7,7 @@ Hosts: a (10.203.0.1, the notebook's) runs ranks 0 and 1, b (10.203.0.2) ranks 2
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import stat
@@ -182,6 +183,43 @@ def test_trace_of_a_transfer_between_hosts(ip, healthy):
     # The diagram (its text form here: the test's shell shows no images) draws that transfer.
     assert "send/recv rank 3 -> rank 0" in shown_text(captured)
     assert trace.draw().gids("arrow:") == ["arrow:3->0"]
+
+
+def test_profile_across_hosts_states_each_clock_offset(ip, healthy, tmp_path):
+    """--profile with ranks on two hosts: each rank's clock offset is measured (one machine's
+    clock seen from two network stacks: zero within the measurement's bound) and stated, and the
+    ranks' all-reduces line up on the merged clock. And %dist_status's memory of remote ranks."""
+    cell = "t = torch.ones(1000)\nfor _ in range(5):\n    dist.all_reduce(t)"
+    captured, error = run_cell(ip, "--profile prof", cell)
+    assert error is None, error
+    profile = ip.user_ns["prof"]
+    assert profile.ranks == [0, 1, 2, 3]
+    offsets = {rank: row["clock_offset"] for rank, row in profile.summary().items()}
+    bounds = {rank: row["clock_offset_bound"] for rank, row in profile.summary().items()}
+    # One machine's clock: each offset measured within its bound, so taken as none.
+    assert offsets == dict.fromkeys(range(4), 0.0) and all(0 < bound < 0.05 for bound in bounds.values())
+    text = captured.stdout
+    assert all(
+        f"rank {rank}: its clock" in text and "ms from the notebook's (measured, ± " in text
+        for rank in range(4)
+    )
+    reduces = {
+        rank: [
+            s
+            for s in profile.spans[rank]
+            if s.kind == "communication" and (s.label or "").startswith("all_reduce")
+        ]
+        for rank in range(4)
+    }
+    assert {len(spans) for spans in reduces.values()} == {5}
+    for index in range(5):
+        same = [reduces[rank][index] for rank in range(4)]
+        assert max(s.start for s in same) <= min(s.end for s in same) + 0.002, same
+    saved = json.loads(profile.save(tmp_path / "hosts.json").read_text())
+    assert set(saved["otherData"]["clock_offsets_seconds"]) == {"0", "1", "2", "3"}
+    # %dist_status asks each host's ranks for their memory (none of them on this machine's stack).
+    memory = ip.run_line_magic("dist_status", "").memory
+    assert all(memory[rank] is not None and memory[rank].resident > 50 << 20 for rank in range(4))
 
 
 def test_hang_on_the_remote_host_is_reported_with_its_line_call_and_trace(ip, healthy):

@@ -163,17 +163,23 @@ class RankCluster:
         return [RankStatus(info=info, alive=info.rank not in dead) for info in self.ranks]
 
     def memory(self, busy: list[int]) -> dict[int, protocol.RankMemory | None]:
-        """Each live rank's memory: asked of idle ranks (GPU memory too); for ``busy`` ranks
-        (running a cell) on this machine, their process's resident memory; else None."""
+        """Each live rank's memory. On this machine a CPU rank's resident memory is read by its
+        PID (busy or not); ranks on GPUs or on other hosts are asked, if idle (``busy`` ranks run
+        a cell), for their resident and CUDA memory. None where it cannot be known."""
         dead = set(self.dead_ranks())
-        idle = [info.rank for info in self.ranks if info.rank not in dead and info.rank not in busy]
         found: dict[int, protocol.RankMemory | None] = {info.rank: None for info in self.ranks}
-        found.update(self.engines.call(idle, profiling.memory) if idle else {})
-        for rank in busy:
-            info = self.ranks[rank]
-            if info.address == LOCAL_HOST and rank not in dead:
+        to_ask = []
+        for info in self.ranks:
+            if info.rank in dead:
+                continue
+            if info.address == LOCAL_HOST and info.device == "cpu":
                 with contextlib.suppress(psutil.Error):
-                    found[rank] = protocol.RankMemory(psutil.Process(info.pid).memory_info().rss)
+                    found[info.rank] = protocol.RankMemory(psutil.Process(info.pid).memory_info().rss)
+            elif info.rank not in busy:
+                to_ask.append(info.rank)
+        if to_ask:
+            with contextlib.suppress(ClusterError):  # an engine busy after all: unknown
+                found.update(self.engines.call(to_ask, profiling.memory))
         return found
 
     # --------------------------------------------------------------------- running
@@ -200,19 +206,20 @@ class RankCluster:
             self.engines.call_everywhere(ranks, profiling.start_profile, failing="profiling could not start")
         return self.engines.execute(protocol.numbered_cell(code, cell_number), ranks)
 
-    def clock_offsets(self, ranks: list[int], tries: int = 3) -> dict[int, float | None]:
-        """Each rank's clock minus this process's, in seconds: None for ranks on this machine
-        (one clock), else measured over the round trip with the least delay."""
+    def clock_offsets(self, ranks: list[int], tries: int = 5) -> dict[int, tuple[float, float] | None]:
+        """Each rank's clock minus this process's, in seconds, with how far off that can be (half
+        the round trip with the least delay): None for ranks on this machine (one clock). An
+        offset within that bound is taken as 0: the clocks agree as far as can be measured."""
         elsewhere = [rank for rank in ranks if self.ranks[rank].address != LOCAL_HOST]
-        offsets: dict[int, float | None] = {rank: None for rank in ranks}
-        best: dict[int, float] = {}
+        offsets: dict[int, tuple[float, float] | None] = {rank: None for rank in ranks}
         for _ in range(tries if elsewhere else 0):
             sent = time.time()
             clocks = self.engines.call(elsewhere, profiling.clock)
-            round_trip = time.time() - sent
+            bound = (time.time() - sent) / 2
             for rank, clock in clocks.items():
-                if round_trip < best.get(rank, float("inf")):
-                    best[rank], offsets[rank] = round_trip, clock - (sent + round_trip / 2)
+                if offsets[rank] is None or bound < offsets[rank][1]:
+                    offset = clock - (sent + bound)
+                    offsets[rank] = (0.0 if abs(offset) <= bound else offset, bound)
         return offsets
 
     def push(self, namespace: dict) -> None:
