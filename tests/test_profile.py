@@ -117,7 +117,7 @@ def test_trace_save(ip, cluster, tmp_path):
     assert calls[0]["dur"] >= 0 and calls[1]["ts"] >= calls[0]["ts"]
 
 
-def test_raising_cell_keeps_its_profile(ip, cluster):
+def test_raising_cell_keeps_its_profile(ip, healthy):
     cell = "t = torch.ones(4)\ndist.all_reduce(t)\nif rank == 1:\n    raise ValueError('boom')\nprint('fine')"
     _, error = run_cell(ip, "--profile prof", cell)
     assert isinstance(error, DistributedCellError)
@@ -142,3 +142,14 @@ def test_status_shows_each_ranks_resident_memory(ip, cluster):
         resident = table.memory[rank].resident
         assert 50 << 20 < resident < 8 << 30  # an engine with torch imported
         assert row.endswith(f"{resident / (1 << 20):.1f} MiB")
+
+
+def test_hanging_cell_reports_as_before_and_keeps_the_finished_ranks_profiles(ip, healthy):
+    cell = "t = torch.ones(4)\ndist.all_reduce(t)\nif rank == 1:\n    dist.recv(t, src=0)"
+    _, error = run_cell(ip, "--profile prof --timeout 3", cell)
+    assert isinstance(error, DistributedCellError)
+    assert "rank 1" in str(error) and "recv from rank 0" in str(error)  # where it waits, as traced
+    profile = ip.user_ns["prof"]
+    assert profile.ranks == [0] and profile.missing == [1]
+    assert any(s.label and s.label.startswith("all_reduce") for s in profile.spans[0])
+    assert "rank 1: no profile (still running or died)" in profile.text()
