@@ -98,8 +98,8 @@ class Profile:
         return summary
 
     def text(self) -> str:
-        """The summary as a table (what nbval compares: no times in it unless asked)."""
-        return summary_text(self, times=True)
+        """The summary in words, a line or two per rank (times: in a lesson, a timing cell)."""
+        return summary_text(self)
 
     def draw(self, max_spans: int = 4000):
         """A lane per rank: compute above, communication below, calls named."""
@@ -143,16 +143,13 @@ class Profile:
         return self.text()
 
 
-def summary_text(profile: Profile, times: bool = True) -> str:
-    """``rank 0: wall 41.2 ms, compute 30.1 ms, communication 12.0 ms (overlapped 9.0 ms, 75 %;
-    exposed 3.0 ms)``, then the top ops; ``times=False`` leaves the numbers out."""
+def summary_text(profile: Profile) -> str:
+    """``rank 0: wall 41.2 ms, compute 30.1 ms, communication 12.0 ms (75% overlapped, exposed
+    3.0 ms)``, then the top ops, each rank's measured clock offset, the ranks with no profile."""
     lines = [f"Profile of {rank_label(profile.ranks)}" if profile.ranks else "Profile: no rank answered"]
     for rank, row in profile.summary().items():
         if row["error"]:
             lines.append(f"rank {rank}: nothing recorded ({row['error']})")
-            continue
-        if not times:
-            lines.append(f"rank {rank}: compute, communication, overlap")
             continue
         overlap = "no communication" if row["overlap"] is None else f"{row['overlap']:.0%} overlapped"
         lines.append(

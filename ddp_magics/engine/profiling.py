@@ -171,6 +171,7 @@ def start_profile() -> None:
 
     if _profiler is not None and _profiler.active:
         _stop_profile()
+    _unhook()  # an earlier cell's, if it never ran
     _profiler = CellProfiler()
     events = get_ipython().events
     events.register("pre_execute", _start_profile)
@@ -189,20 +190,19 @@ def _start_profile() -> None:
 def _stop_profile() -> None:
     from IPython import get_ipython
 
-    events = get_ipython().events
-    for event, callback in (("pre_execute", _start_profile), ("post_execute", _stop_profile)):
-        if callback in events.callbacks[event]:
-            events.unregister(event, callback)
+    _unhook()
     if _profiler is not None and _profiler.active:
         # Still inside the cell: the message belongs to it, and arrives before its end.
         get_ipython().data_pub.publish_data({PROFILE_KEY: _profiler.stop()})
 
 
-def profile_so_far() -> RankProfile | None:
-    """A rank still running a profiled cell (a hang): its profile up to now; the profiler stops."""
-    if _profiler is None or not _profiler.active:
-        return None
-    return _profiler.stop()
+def _unhook() -> None:
+    from IPython import get_ipython
+
+    events = get_ipython().events
+    for event, callback in (("pre_execute", _start_profile), ("post_execute", _stop_profile)):
+        while callback in events.callbacks[event]:
+            events.unregister(event, callback)
 
 
 def clock() -> float:
