@@ -104,8 +104,11 @@ def _nested(events: list, device: str):
     """(name, start ns, end ns, kind, self ns) of one thread's ops. Kind None: an op inside
     another op. ``record_function`` ranges (``DistributedDataParallel.forward``) are seen
     through and left out: they may wait for communication; what runs inside them counts. Ops
-    inside a backend's range (gloo copying its buffers) are left out too."""
+    inside a backend's range on its own thread (gloo copying its buffers) are left out too; on
+    the thread that calls the backend its ranges enclose nothing (an ``irecv``'s range lasts
+    until the data came, while the thread computes)."""
     events = sorted(events, key=lambda e: (e.start_ns(), -e.duration_ns()))
+    calls_backend = device == "cpu" and any(e.name().startswith("c10d::") for e in events)
     open_ranges: list[list] = []  # [end ns, 1 if an op else 0, children's ns, its row]
     rows = []
     ops_open = 0
@@ -132,10 +135,12 @@ def _nested(events: list, device: str):
             kind = None
         else:
             kind = COMPUTE
-        if open_ranges:
-            open_ranges[-1][2] += end - start
         row = [name, start, end, kind, end - start, annotation]
         rows.append(row)
+        if communication and calls_backend:
+            continue
+        if open_ranges:
+            open_ranges[-1][2] += end - start
         open_ranges.append([end, 0 if annotation else 1, 0, row])
         ops_open += 0 if annotation else 1
     for closed in open_ranges:
