@@ -237,7 +237,7 @@ class DistributedMagics(Magics, Settings):
         except DeadRanks as dead:
             raise self._dead(dead.ranks) from None
         except ClusterError as error:
-            raise usage_error(f"--trace/--diagram/--profile: {error}") from None
+            raise usage_error(f"{'--profile' if args.profile else '--trace/--diagram'}: {error}") from None
         outcome = cell_view.follow(run.steps(), self.shell)
         cell_view.show(outcome, self.collapse_identical, self.max_output_lines, args.diagram)
         if args.trace is not None:

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 
+from IPython.core.error import UsageError
+from IPython.utils.capture import capture_output
+
 from ddp_magics.errors import DistributedCellError
 from ddp_magics.protocol import COMMUNICATION, COMPUTE
 from tests.conftest import run_cell, shown_text
@@ -153,3 +156,15 @@ def test_hanging_cell_reports_as_before_and_keeps_the_finished_ranks_profiles(ip
     assert profile.ranks == [0] and profile.missing == [1]
     assert any(s.label and s.label.startswith("all_reduce") for s in profile.spans[0])
     assert "rank 1: no profile (still running or died)" in profile.text()
+
+
+def test_a_profile_that_cannot_start_says_so_in_one_line(ip, healthy):
+    run_cell(ip, "", "dist.destroy_process_group()")
+    try:
+        _, error = run_cell(ip, "--profile prof", "print(rank)")
+        assert isinstance(error, UsageError)
+        assert str(error).startswith("--profile: tracing could not start (rank 0: ValueError:")
+        assert "\n" not in str(error)
+    finally:
+        with capture_output():
+            ip.run_line_magic("dist_restart", "")
