@@ -168,3 +168,14 @@ def test_a_profile_that_cannot_start_says_so_in_one_line(ip, healthy):
     finally:
         with capture_output():
             ip.run_line_magic("dist_restart", "")
+
+
+def test_profile_of_some_ranks_only(ip, cluster):
+    _, error = run_cell(ip, "--ranks 1 --profile prof", "x = torch.randn(64, 64) @ torch.randn(64, 64)")
+    assert error is None, error
+    profile = ip.user_ns["prof"]
+    assert profile.ranks == [1] and not profile.missing
+    row = profile.summary()[1]
+    assert row["compute"] > 0 and row["communication"] == 0 and row["overlap"] is None
+    assert any(name == "aten::mm" for name, _, _ in row["top_ops"])
+    assert "rank 1: wall" in profile.text() and "no communication" in profile.text()
