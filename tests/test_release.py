@@ -72,7 +72,7 @@ def test_an_exception_releases_the_ranks_waiting_in_the_collective(four):
     _, client = four
     cell = "%%distributed\nif rank == 2:\n    raise ValueError('bad input')\ndist.all_reduce(torch.ones(1))"
     error, text = report_of(client, cell)
-    assert error == "rank 2 raised ValueError: bad input; " + RELEASED_3.format(line=3)
+    assert error == "rank 2 raised ValueError: bad input; " + RELEASED_3.format(line=3), text
     assert "[ranks 0,1,3] released: they were waiting in all_reduce at cell line 3" in text
     assert "%dist_recover" not in text
     assert_next_cell_runs_with_state_kept(client)
@@ -81,8 +81,8 @@ def test_an_exception_releases_the_ranks_waiting_in_the_collective(four):
 def test_sys_exit_on_a_rank_releases_the_others(four):
     _, client = four
     cell = "%%distributed\nimport sys\nif rank == 2:\n    sys.exit(1)\ndist.all_reduce(torch.ones(1))"
-    error, _ = report_of(client, cell)
-    assert error == "rank 2 raised SystemExit: 1; " + RELEASED_3.format(line=4)
+    error, text = report_of(client, cell)
+    assert error == "rank 2 raised SystemExit: 1; " + RELEASED_3.format(line=4), text
     assert_next_cell_runs_with_state_kept(client)
 
 

@@ -5,6 +5,7 @@ running are interrupted, dead ranks replaced (or left out), and a new group form
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import TYPE_CHECKING
 
 from ddp_magics import protocol
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
 # IPython formatting their error, longer on a loaded machine); a rank still running after this
 # is running Python (or C code) of its own, and is interrupted.
 CUT_WAIT_SECONDS = 1.0
+# Ranks showing their error after the cut get up to this long in all to end.
+FORMATTING_LIMIT_SECONDS = 30.0
 
 
 def recover(
@@ -112,10 +115,28 @@ def _stop_the_cell(
         progress(f"interrupting {protocol.rank_label(interrupted)}")
         cluster.interrupt(interrupted)
     if busy:
-        stuck = unfinished.pending_among(alive, interrupt_grace)
+        stuck = _still_formatting_errors(cluster, unfinished, alive, interrupt_grace)
         if stuck:
             _wait_for_far_answers(cluster, unfinished, stuck, interrupt_grace, progress)
     return interrupted
+
+
+def _still_formatting_errors(
+    cluster: RankCluster, run: CellAnswers, alive: list[int], interrupt_grace: float
+) -> list[int]:
+    """The ranks still running ``run`` after ``interrupt_grace``, given more time while every one
+    of them is showing its error: a traceback through a file IPython has not read before takes it
+    seconds on a loaded machine (``distributed_c10d.py``: 0.7 s on an idle core), and they end."""
+    deadline = time.monotonic() + FORMATTING_LIMIT_SECONDS
+    stuck = run.pending_among(alive, interrupt_grace)
+    while stuck and time.monotonic() < deadline:
+        dumps = cluster.inspect(run, stuck)
+        if not all(
+            rank in dumps and formatting_an_error(parse_stack_dump(dumps[rank].stack)) for rank in stuck
+        ):
+            break
+        stuck = run.pending_among(stuck, interrupt_grace)
+    return stuck
 
 
 def _wait_for_far_answers(
