@@ -136,13 +136,13 @@ class Step:
 def _collective_title(step: Step) -> str:
     first = step.events[step.ranks[0]]
     if len({event.op for event in step.events.values()}) > 1:
-        return f"{step.op} on {group_label(step.group)} (ranks called different collectives)"
+        return f"{step.op} on {group_label(step.group, first.mesh_dim)} (ranks called different collectives)"
     words = [step.op]
     if first.reduce_op:
         words.append(first.reduce_op)
     if first.root is not None and first.op == step.op:
         words.append(f"{'from' if OPS[first.op].root == 'src' else 'to'} rank {first.root}")
-    words.append(f"on {group_label(step.group)}")
+    words.append(f"on {group_label(step.group, first.mesh_dim)}")
     makers = list(dict.fromkeys(event.made_by for event in step.events.values() if event.made_by))
     if makers:
         words.append(f"({', '.join(makers)})")

@@ -44,7 +44,8 @@ SIZE_MISMATCH = "send and recv sizes differ"
 def collective_mismatches(step: Step, traced: set[int]) -> list[Mismatch]:
     found = []
     events = step.events
-    nth = f"collective #{step.index} on {group_label(step.group)}"
+    mesh_dim = next((event.mesh_dim for event in events.values() if event.mesh_dim), None)
+    nth = f"collective #{step.index} on {group_label(step.group, mesh_dim)}"
     missing = [rank for rank in step.missing if rank in traced]
     if missing:
         called = ", ".join(f"rank {r} called {e.what()} at {e.where()}" for r, e in sorted(events.items()))

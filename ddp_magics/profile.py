@@ -186,7 +186,7 @@ def _spans(profile: RankProfile, shift: float, events: list[TraceEvent]) -> list
         launch = piece if piece.kind == LAUNCH else queued.get(index)
         if launch is not None:
             call = calls.get(id(launch))
-            label = call_label(call) if call is not None else _op_name(launch.name)
+            label = call.call() if call is not None else _op_name(launch.name)
             if call is not None:
                 line, mesh_dim = call.line, call.mesh_dim
         spans.append(
@@ -203,13 +203,6 @@ def _spans(profile: RankProfile, shift: float, events: list[TraceEvent]) -> list
             )
         )
     return spans
-
-
-def call_label(event: TraceEvent) -> str:
-    """The call as ``--trace`` names it, with its mesh dimension: ``all_gather on tp ranks 0,1
-    (DTensor)``."""
-    label = event.call()
-    return label.replace(" on rank", f" on {event.mesh_dim} rank", 1) if event.mesh_dim else label
 
 
 def _calls_of_launches(launches: list, events: list[TraceEvent]) -> dict[int, TraceEvent]:

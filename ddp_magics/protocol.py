@@ -193,8 +193,8 @@ class TraceEvent:
         return self.op in OPS and not OPS[self.op].p2p
 
     def call(self) -> str:
-        """``recv from rank 1``, ``all_reduce SUM on ranks 0,1 (DDP bucket 0)``, ``wait for isend
-        (call #2)``."""
+        """``recv from rank 1``, ``all_reduce SUM on ranks 0,1 (DDP bucket 0)``, ``all_gather on tp
+        ranks 0,1 (DTensor)``, ``wait for isend (call #2)``."""
         if self.op == WAIT:
             return f"wait for {self.waited_op} (call #{self.waits_for})"
         if self.op in SENDS:
@@ -207,7 +207,7 @@ class TraceEvent:
                 words.append(self.reduce_op)
             if self.root is not None:
                 words.append(f"{'from' if OPS[self.op].root == 'src' else 'to'} rank {self.root}")
-            words.append(f"on {group_label(self.group)}")
+            words.append(f"on {group_label(self.group, self.mesh_dim)}")
         if self.made_by:
             words.append(f"({self.made_by})")
         return " ".join(words)
@@ -224,8 +224,9 @@ def plural(count: int, noun: str) -> str:
     return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
-def group_label(group: tuple[int, ...]) -> str:
-    return rank_label(list(group))
+def group_label(group: tuple[int, ...], mesh_dim: str | None = None) -> str:
+    """``ranks 0,1``, or ``tp ranks 0,1`` for the group of a DeviceMesh dimension."""
+    return (f"{mesh_dim} " if mesh_dim else "") + rank_label(list(group))
 
 
 def format_number(value) -> str:

@@ -37,6 +37,8 @@ def test_mesh_dimensions_named(ip, cluster4, tmp_path):
     reduces = [e for e in trace.events[0] if e.op == "all_reduce"]
     assert [e.mesh_dim for e in reduces] == ["tp", "dp"]
     assert [e.group for e in reduces] == [(0, 1), (0, 2)]
+    listing = trace.text()  # the listing names the dimension too, as the picture and the profile do
+    assert "all_reduce SUM on tp ranks 0,1" in listing and "all_reduce SUM on dp ranks 0,2" in listing
     boxes = [artist.get_text() for artist in trace.draw().figure.axes[0].texts]
     assert any("[tp]" in text for text in boxes) and any("[dp]" in text for text in boxes)
     labels = [s.label for s in profile.spans[0] if s.label and s.label.startswith("all_reduce")]

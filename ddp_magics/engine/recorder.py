@@ -26,6 +26,7 @@ the process groups' own calls.
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 import time
@@ -45,6 +46,7 @@ from ddp_magics.protocol import (
     TraceEvent,
 )
 
+UNNAMED_MESH_DIM = re.compile(r"mesh_dim_\d+")
 UNFINISHED_GRACE_SECONDS = 0.1  # at the cell's end, for all of its libraries' futures together
 UNFINISHED_POLL_SECONDS = 0.001
 
@@ -359,9 +361,11 @@ class Tracer:
         entry = self._groups.get(id(group))
         if entry is None:
             ranks = tuple(self._dist.get_process_group_ranks(group))
-            # DeviceMesh describes each dimension's group as mesh_<dimension> (mesh_tp, mesh_dp).
+            # DeviceMesh describes each dimension's group as mesh_<name> (mesh_tp, mesh_dp), or as
+            # mesh_dim_<n> where its dimensions have no names (nothing to show then).
             description = getattr(group, "group_desc", "") or ""
-            mesh_dim = description.removeprefix("mesh_") if description.startswith("mesh_") else None
+            named = description.startswith("mesh_") and not UNNAMED_MESH_DIM.fullmatch(description)
+            mesh_dim = description.removeprefix("mesh_") if named else None
             # The group object is kept in the entry so that its id is not reused while cached.
             entry = self._groups[id(group)] = (group, ranks, group.group_name, mesh_dim)
         return entry
