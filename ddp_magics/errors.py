@@ -81,10 +81,9 @@ class DistributedCellError(Exception):
         if self.blocked:
             still = "did not stop" if self.interrupted else "still running"
             after = f" after {self.timeout:g} s" if self.timeout is not None else ""
-            by_place: dict[str, list[int]] = {}
-            for blocked in self.blocked:
-                by_place.setdefault(blocked.where(), []).append(blocked.rank)
-            places = ", ".join(f"{rank_label(ranks)} {where}" for where, ranks in by_place.items())
+            places = ", ".join(
+                f"{rank_label(ranks)} {where}" for where, ranks in _by_place(self.blocked).items()
+            )
             parts.append(f"{rank_label([b.rank for b in self.blocked])} {still}{after} ({places})")
         return "; ".join(parts)
 
