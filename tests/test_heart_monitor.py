@@ -1,0 +1,66 @@
+"""The controller's heart monitor registers a new heart as soon as it answers, not at a beat."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import threading
+import uuid
+
+import zmq
+from ipyparallel.controller.heartmonitor import Heart
+from traitlets.config import Config
+
+from ddp_magics.controller import start_prompt_heart_monitor
+
+HOUR_MS = 3_600_000
+
+
+def test_a_new_heart_is_registered_without_waiting_for_a_beat():
+    """With a period of an hour no periodic ping comes after the first: ipyparallel's own
+    monitor would register the heart an hour later; the prompt one pings it as it subscribes
+    and tells the hub at its first answer."""
+    context = zmq.Context()
+    hub = context.socket(zmq.SUB)  # the hub's end of the monitor channel
+    hub.setsockopt(zmq.SUBSCRIBE, b"")
+    monitor_port = hub.bind_to_random_port("tcp://127.0.0.1")
+    ports = []
+    for _ in range(2):  # free ports for the monitor's ping and pong sockets
+        probe = context.socket(zmq.PAIR)
+        ports.append(probe.bind_to_random_port("tcp://127.0.0.1"))
+        probe.close(linger=0)
+    ping_url, pong_url = (f"tcp://127.0.0.1:{port}" for port in ports)
+    config = Config()
+    config.HeartMonitor.period = HOUR_MS
+    config.Session.key = b"secret"
+    forked = multiprocessing.get_context("fork")
+    monitor = forked.Process(
+        target=start_prompt_heart_monitor,
+        kwargs=dict(
+            ping_url=ping_url, pong_url=pong_url, monitor_url=f"tcp://127.0.0.1:{monitor_port}", config=config
+        ),
+        daemon=True,
+    )
+    monitor.start()
+    heart_id = uuid.uuid4().hex.encode()
+    heart = forked.Process(target=beat, args=(ping_url, pong_url, heart_id), daemon=True)
+    heart.start()
+    try:
+        assert hub.poll(20_000), "the monitor told the hub nothing within 20 s"
+        frames = hub.recv_multipart()
+        header, content = json.loads(frames[-4]), json.loads(frames[-1])
+        assert header["msg_type"] == "new_heart"
+        assert content["hearts"] == [heart_id.decode()]
+    finally:
+        for process in (heart, monitor):
+            process.terminate()
+            process.join(10)
+        hub.close(linger=0)
+        context.term()
+    assert heart.exitcode is not None and monitor.exitcode is not None
+
+
+def beat(ping_url: str, pong_url: str, heart_id: bytes) -> None:
+    """An engine's heart (what ipyparallel's engine starts as it registers), until terminated."""
+    Heart(ping_url, pong_url, heart_id=heart_id).start()
+    threading.Event().wait()
