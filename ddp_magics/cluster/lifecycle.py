@@ -131,6 +131,7 @@ class ClusterProcesses:
         importing = " while torch is imported, once" + (" per host" if per_host else "")
         progress("starting the controller" + (importing if self.forked_here or per_host else ""))
         self._controller.start_controller_sync()
+        self.engines.connect(self._controller)  # while the zygote imports: off the engines' path
         if self.forked_here:
             self._wait_for_zygote()
         try:
