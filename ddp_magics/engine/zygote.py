@@ -65,18 +65,24 @@ ENDED_PREFIX = "ddp_magics zygote: ended: PID "
 READY = "ready"
 STOP = "stop"  # to a host's zygote (--host), on its standard input: the cluster stops
 # Imported once, here, instead of in every engine: torch, ipyparallel's engine and nanny, the
-# kernel parts an engine loads as it starts (the debugger alone is 0.1 s), ddp_magics' engine
-# side. None of them starts a thread or a zmq context on import.
+# kernel parts an engine loads as it starts (the debugger alone is 0.1 s; the last five, which
+# IPython and tornado import as the engine starts, 4 ms), ddp_magics' engine side. None of them
+# starts a thread or a zmq context on import.
 ENGINE_MODULES = (
     "torch.distributed",
     "ipyparallel.engine.app",
     "ipyparallel.engine.nanny",
-    "ddp_magics.engine.nanny",
     "ipykernel.ipkernel",
     "ipykernel.debugger",
     "IPython.extensions.storemagic",
+    "ddp_magics.engine.process",
     "ddp_magics.engine.rank",
     "ddp_magics.engine.recorder",
+    "IPython.core.oinspect",
+    "IPython.core.completerlib",
+    "IPython.core.logger",
+    "IPython.utils.wildcard",
+    "tornado.platform.asyncio",
 )
 # The zygote formats a traceback through torch.distributed once it has forked nothing for this
 # long (the engines of a start have their first cell by then): see rank.warm_up_error_reports.
