@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import ipyparallel as ipp
+import zmq
 from ipyparallel.error import CompositeError
 
 from ddp_magics import protocol
@@ -28,6 +29,8 @@ from ddp_magics.cluster.records import (
 
 # How long a signal to the ranks (an interrupt, a stack dump, a cut) may take to be confirmed.
 SIGNAL_SECONDS = 5.0
+CONNECT_POLL_SECONDS = 0.005  # how often the engines connected are counted while waiting for them
+FORGET_SEND_MS = 1000  # how long the news of engines gone may take to reach the controller
 # ipyparallel logs engines' output when they exit non-zero, as they do on SIGTERM at every stop;
 # their logs stay in the cluster's log folder while it runs. Only its errors reach the user.
 CLUSTER_LOG = logging.getLogger("ddp_magics.ipyparallel")
@@ -147,6 +150,7 @@ class Engines:
         self._client: ipp.Client | None = None
         self.ranks: list[RankInfo] = []  # in rank order
         self._views: dict[tuple[int, ...], ipp.DirectView] = {}
+        self._forgotten: set[int] = set()  # killed, and registered until the controller hears so
 
     # ------------------------------------------------------------------ connection
     def connect(self, cluster: ipp.Cluster) -> None:
@@ -159,8 +163,10 @@ class Engines:
 
     @property
     def ids(self) -> set[int]:
-        """The ids of the engines connected now."""
-        return set(self._client.ids) if self._client is not None else set()
+        """The ids of the engines connected now (not those :meth:`forget` was told of)."""
+        registered = set(self._client.ids) if self._client is not None else set()
+        self._forgotten &= registered
+        return registered - self._forgotten
 
     def set_ranks(self, ranks: list[RankInfo]) -> None:
         self.ranks = ranks
@@ -169,19 +175,14 @@ class Engines:
     def wait_until_connected(self, count: int, timeout: float, progress: Callable[[str], None]) -> None:
         """Until ``count`` engines are connected, reporting each; a ClusterError after ``timeout``."""
         deadline = time.monotonic() + timeout
-        while (connected := len(self._client.ids)) < count:
-            progress(f"engines connected: {connected}/{count}")
-            try:
-                self._client.wait_for_engines(
-                    connected + 1,
-                    timeout=max(deadline - time.monotonic(), 0.001),
-                    interactive=False,
-                    widget=False,
-                )
-            except TimeoutError:
-                raise ClusterError(
-                    f"only {len(self._client.ids)} of {count} engines connected within {timeout:g} s"
-                ) from None
+        shown = None
+        while (connected := len(self.ids)) < count:
+            if connected != shown:
+                progress(f"engines connected: {connected}/{count}")
+                shown = connected
+            if time.monotonic() > deadline:
+                raise ClusterError(f"only {connected} of {count} engines connected within {timeout:g} s")
+            time.sleep(CONNECT_POLL_SECONDS)
         progress(f"engines connected: {count}/{count}")
 
     def wait_for_new(self, known: set[int], count: int, timeout: float) -> list[int]:
@@ -204,6 +205,24 @@ class Engines:
         deadline = time.monotonic() + grace
         while client.ids and time.monotonic() < deadline:
             time.sleep(0.01)
+
+    def forget(self, engine_ids: set[int]) -> None:
+        """Tell the controller that these engines are gone (killed by PID, with their nannies,
+        which would have told it), as a nanny does; from now on they are not among :attr:`ids`,
+        whenever the controller takes note."""
+        client = self._client
+        if client is None or not engine_ids:
+            return
+        self._forgotten |= engine_ids
+        with client._context.socket(zmq.DEALER) as hub:
+            hub.linger = FORGET_SEND_MS  # sent as the socket closes
+            if client.curve_serverkey:
+                hub.curve_serverkey = client.curve_serverkey
+                hub.curve_secretkey = client.curve_secretkey
+                hub.curve_publickey = client.curve_publickey
+            hub.connect(client._config["registration"])
+            for engine_id in sorted(engine_ids):
+                client.session.send(hub, "unregistration_request", content={"id": engine_id})
 
     def close(self) -> None:
         if self._client is not None:

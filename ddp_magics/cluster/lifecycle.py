@@ -4,8 +4,11 @@ lifeline that engines on other hosts watch, and the engines themselves."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -40,7 +43,7 @@ from ddp_magics.cluster.strays import (
 )
 from ddp_magics.engine import rank as rank_code
 from ddp_magics.engine.zygote import ENDED_PREFIX
-from ddp_magics.lifetime import LIFELINE_ENV, Lifeline, cluster_processes, launch_environment
+from ddp_magics.lifetime import LIFELINE_ENV, Lifeline, cluster_processes, kill_now, launch_environment
 from ddp_magics.private_files import UnsafeDirectory
 
 Progress = Callable[[str], None]
@@ -217,7 +220,11 @@ class ClusterProcesses:
         zygote = psutil.Process(self._zygote.process.pid) if self._zygote else None
         old_engines = zygote.children(recursive=True) if zygote else []
         progress(f"stopping the {n} engines")
-        self.engines.kill_all(STOP_GRACE_SECONDS)
+        if self.forked_here:
+            kill_forked_now(zygote)
+            self.engines.forget(self.engines.ids)
+        else:
+            self.engines.kill_all(STOP_GRACE_SECONDS)
         self._controller.stop_engines_sync()
         stop_processes(old_engines)
         self.engines.set_ranks([])
@@ -300,6 +307,19 @@ class ClusterProcesses:
     @property
     def lifeline(self) -> Lifeline | None:
         return self._lifeline
+
+
+def kill_forked_now(zygote: psutil.Process) -> None:
+    """SIGKILL, by PID, what the zygote forked (engines and their nannies) with their process
+    groups: an engine leads the group of what its cells started, as its nanny would kill it.
+    Four times cheaper than through the nannies (no Python runs as they go): 0.04 s instead of
+    0.17 s for 16 engines."""
+    forked = zygote.children()
+    for process in forked:
+        if process.is_running():  # not a PID reused since: killpg has no such check
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+    kill_now(process for process in zygote.children(recursive=True) if process not in forked)
 
 
 def _mpiexec() -> str:
