@@ -9,6 +9,7 @@ import time
 import psutil
 import pytest
 from IPython.core.error import UsageError
+from IPython.utils.capture import capture_output
 from traitlets import TraitError
 
 from tests.conftest import run_cell, running_cluster
@@ -173,3 +174,19 @@ def test_rank_specs_outside_the_world_are_refused_quickly(ip):
             assert isinstance(error, UsageError), spec
             assert message in str(error), (spec, str(error))
             assert time.monotonic() - started < 1, spec
+
+
+def test_a_launch_that_exits_fails_the_start_at_once_with_its_last_line(ip, magics):
+    """mpiexec (any launcher whose processes end) exiting before its engines connect fails
+    %dist_start at once, saying what it wrote last, not after the 60 s connection timeout."""
+    failing_mpiexec = ["sh", "-c", "echo 'mpiexec: host nodeZ unreachable' >&2; exit 3", "sh"]
+    magics.mpi_command = failing_mpiexec
+    try:
+        with capture_output(), pytest.raises(UsageError) as refused:
+            ip.run_line_magic("dist_start", "-n 2 --engines mpi")
+    finally:
+        magics.mpi_command = []
+    assert str(refused.value) == (
+        "%dist_start failed: only 0 of 2 engines connected: sh exited: mpiexec: host nodeZ unreachable"
+    )
+    assert magics.cluster is None

@@ -172,8 +172,15 @@ class Engines:
         self.ranks = ranks
         self._views = {}
 
-    def wait_until_connected(self, count: int, timeout: float, progress: Callable[[str], None]) -> None:
-        """Until ``count`` engines are connected, reporting each; a ClusterError after ``timeout``."""
+    def wait_until_connected(
+        self,
+        count: int,
+        timeout: float,
+        progress: Callable[[str], None],
+        ended: Callable[[], str | None] = lambda: None,
+    ) -> None:
+        """Until ``count`` engines are connected, reporting each; a ClusterError after ``timeout``,
+        or as soon as ``ended()`` says why the engines will not come (their launcher ended)."""
         deadline = time.monotonic() + timeout
         shown = None
         while (connected := len(self.ids)) < count:
@@ -182,6 +189,8 @@ class Engines:
                 shown = connected
             if time.monotonic() > deadline:
                 raise ClusterError(f"only {connected} of {count} engines connected within {timeout:g} s")
+            if (why := ended()) is not None:
+                raise ClusterError(f"only {len(self.ids)} of {count} engines connected: {why}")
             time.sleep(CONNECT_POLL_SECONDS)
         progress(f"engines connected: {count}/{count}")
 

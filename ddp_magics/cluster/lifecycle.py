@@ -43,12 +43,20 @@ from ddp_magics.cluster.strays import (
 )
 from ddp_magics.engine import rank as rank_code
 from ddp_magics.engine.zygote import ENDED_PREFIX
-from ddp_magics.lifetime import LIFELINE_ENV, Lifeline, cluster_processes, kill_now, launch_environment
+from ddp_magics.lifetime import (
+    LIFELINE_ENV,
+    Lifeline,
+    cluster_processes,
+    is_running,
+    kill_now,
+    launch_environment,
+)
 from ddp_magics.private_files import UnsafeDirectory
 
 Progress = Callable[[str], None]
 # ipyparallel's engine checks the controller's pings every heartbeat period plus this.
 ENGINE_HEARTBEAT_CHECK_EXTRA_MS = 500
+LAST_LINE_CHARS = 300  # of what an ended launch wrote, in the error
 
 
 class ClusterProcesses:
@@ -200,7 +208,23 @@ class ClusterProcesses:
         progress(f"starting {n} engines" + (f" on {len(hosts)} hosts" if hosts else ""))
         self._controller.start_engines_sync(n)
         self.engines.connect(self._controller)
-        self.engines.wait_until_connected(n, ENGINE_TIMEOUT_SECONDS, progress)
+        self.engines.wait_until_connected(n, ENGINE_TIMEOUT_SECONDS, progress, self._launch_ended)
+
+    def _launch_ended(self) -> str | None:
+        """Why no more engines will connect: every process that launched them (mpiexec, say, or
+        each engine forked here) has exited; with the last line the launch wrote. (Read from the
+        processes: ipyparallel notes a launcher's end on an event loop that waits meanwhile.)"""
+        for engine_set in self._controller.engines.values():
+            launchers = list(getattr(engine_set, "launchers", {}).values()) or [engine_set]
+            processes = [getattr(launcher, "process", None) for launcher in launchers]
+            processes = [process for process in processes if isinstance(process, psutil.Process)]
+            if processes and not any(is_running(process) for process in processes):
+                said = [line.strip() for line in (engine_set.get_output() or "").splitlines() if line.strip()]
+                last = f": {said[-1][:LAST_LINE_CHARS]}" if said else ""
+                if launchers == [engine_set]:  # one process for the set: mpiexec, say
+                    return f"{Path(engine_set.args[0]).name} exited{last}"
+                return f"every engine exited{last}"
+        return None
 
     # -------------------------------------------------------------------- engines
     @property
