@@ -259,12 +259,10 @@ class Engines:
         than the engines' timeout or one dies."""
         return self._within_timeout(self._client[engine_ids].apply_async(function, *args), doing)
 
-    def apply_each(self, calls: list[tuple[int, Callable, object]], doing: Callable[[int], str]) -> list:
-        """``function(argument)`` on each engine of ``calls`` (its own function and argument),
+    def apply_each(self, calls: list[tuple[int, Callable, tuple]], doing: Callable[[int], str]) -> list:
+        """``function(*arguments)`` on each engine of ``calls`` (its own function and arguments),
         all sent before any is waited for; the results in order."""
-        sent = [
-            self._client[engine_id].apply_async(function, argument) for engine_id, function, argument in calls
-        ]
+        sent = [self._client[engine_id].apply_async(function, *args) for engine_id, function, args in calls]
         return [self._within_timeout(result, doing(index)) for index, result in enumerate(sent)]
 
     def call(self, ranks: list[int], function: Callable, *args) -> dict[int, object]:

@@ -91,6 +91,7 @@ class RankCluster:
             self.config.pg_timeout,
             self._processes.controller_address,
             progress,
+            one_host=self._processes.forked_here,
         )
 
     def restart(self, progress: Progress = _no_progress) -> None:

@@ -78,7 +78,15 @@ def interface_of(address: str) -> str | None:
     return None
 
 
-def open_rendezvous(setup: RankSetup) -> int:
+def probe_and_open_rendezvous(
+    controller_address: str, master_addr: str, world_size: int, timeout_s: float
+) -> tuple[EngineProbe, int]:
+    """:func:`probe_engine` and :func:`open_rendezvous` in one call, on the engine that will be
+    rank 0 when every engine is on one host (the ranks then follow the engines' order)."""
+    return probe_engine(controller_address), open_rendezvous(master_addr, world_size, timeout_s)
+
+
+def open_rendezvous(master_addr: str, world_size: int, timeout_s: float) -> int:
     """On rank 0, before any rank joins: start the store the ranks meet at, listening on
     MASTER_ADDR only (127.0.0.1 on one host), on a port the system picks; returns the port.
 
@@ -96,14 +104,14 @@ def open_rendezvous(setup: RankSetup) -> int:
     import torch.distributed as dist
 
     recovery.begin_forming()  # the store's connections belong to the new era
-    listener = socket.create_server((setup.master_addr, 0), backlog=max(setup.world_size, 128))
+    listener = socket.create_server((master_addr, 0), backlog=max(world_size, 128))
     port = listener.getsockname()[1]
     _rendezvous_server = dist.TCPStore(
-        setup.master_addr,
+        master_addr,
         port,
-        setup.world_size,
+        world_size,
         is_master=True,
-        timeout=timedelta(seconds=setup.timeout_s),
+        timeout=timedelta(seconds=timeout_s),
         wait_for_workers=False,
         multi_tenant=True,
         master_listen_fd=listener.detach(),  # the store closes it
