@@ -3,10 +3,13 @@
 For a change that must not cost time (a move "behaviour unchanged"): each round runs
 ``benchmarks/startup.py --rounds 1`` and ``benchmarks/cell_latency.py`` once with this tree's
 ``ddp_magics`` and once with the other's (``PYTHONPATH``, engines included), the order of the
-two alternating from round to round, then prints the medians of each and their ratio.
+two alternating from round to round, then prints the medians of each and their ratio. With
+``--steps N``, each round runs ``benchmarks/startup_steps.py -n N --rounds 1`` instead: the
+start and restart of N ranks step by step.
 
     git worktree add --detach ../base <commit>
     .venv/bin/python benchmarks/compare_trees.py ../base --rounds 5
+    .venv/bin/python benchmarks/compare_trees.py ../base --rounds 5 --steps 4
 """
 
 from __future__ import annotations
@@ -65,17 +68,49 @@ def latency_medians(tree: Path, sizes: list[int], cells: int) -> dict[int, float
     return medians
 
 
+def step_times(tree: Path, n: int) -> dict[str, float]:
+    """``startup_steps.py``'s rows (``start: controller + zygote import`` -> seconds), one round."""
+    times, section = {}, ""
+    for line in run("startup_steps.py", ["-n", str(n), "--rounds", "1"], tree).splitlines():
+        if line.startswith("    "):
+            name, _, value = line.strip().rpartition(" ")
+            times[f"{section}: {name.strip()}"] = float(value)
+        elif line.startswith("  ") and line.strip() in ("start", "restart"):
+            section = line.strip()
+        elif line.strip().startswith("import torch.distributed"):
+            times["import torch.distributed (reference)"] = float(line.split()[-1])
+    return times
+
+
+def compare_steps(trees: dict[str, Path], rounds: int, n: int) -> None:
+    steps: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
+    for round_number in range(rounds):
+        order = list(trees) if round_number % 2 == 0 else list(trees)[::-1]
+        for name in order:
+            steps[name].append(step_times(trees[name], n))
+        print(f"round {round_number + 1}/{rounds} done ({' then '.join(order)})", flush=True)
+    print(f"\nn = {n}, medians of {rounds} alternated rounds (seconds): this tree / other")
+    for step in steps["this"][0]:
+        mine = statistics.median(times[step] for times in steps["this"])
+        theirs = statistics.median(times[step] for times in steps["other"])
+        print(f"  {step:<48} {mine:7.3f} {theirs:7.3f}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("other", type=Path, help="the other checkout (its ddp_magics is compared)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--cells", type=int, default=50)
+    parser.add_argument("--steps", type=int, metavar="N", help="start and restart of N ranks, step by step")
     args = parser.parse_args()
     other = args.other.resolve()
     if not (other / "ddp_magics" / "__init__.py").exists():
         parser.error(f"{other} holds no ddp_magics package")
     trees = {"this": THIS_TREE, "other": other}
+    if args.steps:
+        compare_steps(trees, args.rounds, args.steps)
+        return 0
     startup: dict[str, list[list[float]]] = {name: [] for name in trees}
     latency: dict[str, list[dict[int, float]]] = {name: [] for name in trees}
     for round_number in range(args.rounds):
