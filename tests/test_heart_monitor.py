@@ -16,29 +16,22 @@ from ddp_magics.controller import start_prompt_heart_monitor
 HOUR_MS = 3_600_000
 
 
-def test_a_new_heart_is_registered_without_waiting_for_a_beat():
+def test_a_new_heart_is_registered_without_waiting_for_a_beat(tmp_path):
     """With a period of an hour no periodic ping comes after the first: ipyparallel's own
     monitor would register the heart an hour later; the prompt one pings it as it subscribes
-    and tells the hub at its first answer."""
+    and tells the hub at its first answer. (Unix sockets in the test's directory: no port.)"""
+    ping_url, pong_url, monitor_url = (f"ipc://{tmp_path}/{name}" for name in ("ping", "pong", "monitor"))
     context = zmq.Context()
     hub = context.socket(zmq.SUB)  # the hub's end of the monitor channel
     hub.setsockopt(zmq.SUBSCRIBE, b"")
-    monitor_port = hub.bind_to_random_port("tcp://127.0.0.1")
-    ports = []
-    for _ in range(2):  # free ports for the monitor's ping and pong sockets
-        probe = context.socket(zmq.PAIR)
-        ports.append(probe.bind_to_random_port("tcp://127.0.0.1"))
-        probe.close(linger=0)
-    ping_url, pong_url = (f"tcp://127.0.0.1:{port}" for port in ports)
+    hub.bind(monitor_url)
     config = Config()
     config.HeartMonitor.period = HOUR_MS
     config.Session.key = b"secret"
     forked = multiprocessing.get_context("fork")
     monitor = forked.Process(
         target=start_prompt_heart_monitor,
-        kwargs=dict(
-            ping_url=ping_url, pong_url=pong_url, monitor_url=f"tcp://127.0.0.1:{monitor_port}", config=config
-        ),
+        kwargs=dict(ping_url=ping_url, pong_url=pong_url, monitor_url=monitor_url, config=config),
         daemon=True,
     )
     monitor.start()
