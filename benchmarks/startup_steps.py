@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import time
 
 from IPython.testing.globalipapp import start_ipython
+from startup import time_import  # the reference, as benchmarks/startup.py measures it (same folder)
 
 from ddp_magics import arguments
 from ddp_magics.cluster.rank_cluster import RankCluster
@@ -68,12 +68,6 @@ def timed(cluster: RankCluster, restart: bool, n: int) -> list[float]:
     cluster.run_cell("x = 1", list(range(n)), 3 if restart else 1).wait(60)
     ends.append(time.perf_counter())
     return [end - begin for begin, end in zip([started, *ends], ends)]
-
-
-def time_import() -> float:
-    started = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import torch.distributed"], check=True)
-    return time.perf_counter() - started
 
 
 def main() -> int:
