@@ -2,7 +2,8 @@
 
 As in tests/test_checkers.py: on a real gloo cluster of 2 ranks, the lesson's own checker cell runs after a
 wrong solution (every rank must print ``not yet``) and after the lesson's reference solution (every rank
-``pass``). The checkers test pure functions of expert indices, so nothing of the lesson's set-up is needed.
+``pass``). Exercise 1's checker runs a collective (the learner's count exchange) on every rank; exercise 2's
+tests a pure function of the experts chosen. Neither needs the lesson's set-up.
 """
 
 from __future__ import annotations
@@ -14,76 +15,110 @@ from tests.test_checkers import assert_checker, assert_run_all
 LESSON = "18_expert_parallel"
 WORLD = 2
 
-# exercise 1: rows per destination rank
+# exercise 1: the count exchange for experts dealt round-robin (expert e on rank e % world_size)
 
-SPLIT_WRONG = {
-    "rows per expert, not per rank": """
-def split_sizes(expert_ids, experts_per_rank, world_size):
-    return torch.bincount(expert_ids, minlength=experts_per_rank * world_size).tolist()
+EXCHANGE_WRONG = {
+    "experts in contiguous blocks (the lesson's layout), not round-robin": """
+def exchange_counts(expert_ids):
+    destination = expert_ids // 4
+    send = torch.bincount(destination, minlength=world_size)
+    recv = torch.zeros_like(send)
+    dist.all_to_all_single(recv, send)
+    return destination.argsort(stable=True), send.tolist(), recv.tolist()
 """,
-    "experts dealt round-robin (expert % world_size)": """
-def split_sizes(expert_ids, experts_per_rank, world_size):
-    return torch.bincount(expert_ids % world_size, minlength=world_size).tolist()
+    "no exchange: recv_sizes taken to be send_sizes": """
+def exchange_counts(expert_ids):
+    destination = expert_ids % world_size
+    send = torch.bincount(destination, minlength=world_size).tolist()
+    return destination.argsort(stable=True), send, send
 """,
-    "an even split of the rows": """
-def split_sizes(expert_ids, experts_per_rank, world_size):
-    return [len(expert_ids) // world_size] * world_size
+    "rows sorted by expert, not by destination rank": """
+def exchange_counts(expert_ids):
+    destination = expert_ids % world_size
+    send = torch.bincount(destination, minlength=world_size)
+    recv = torch.zeros_like(send)
+    dist.all_to_all_single(recv, send)
+    return expert_ids.argsort(stable=True), send.tolist(), recv.tolist()
 """,
-    "ranks without rows left out": """
-def split_sizes(expert_ids, experts_per_rank, world_size):
-    return torch.bincount(expert_ids // experts_per_rank).tolist()
+    "sizes as tensors, not lists": """
+def exchange_counts(expert_ids):
+    destination = expert_ids % world_size
+    send = torch.bincount(destination, minlength=world_size)
+    recv = torch.zeros_like(send)
+    dist.all_to_all_single(recv, send)
+    return destination.argsort(stable=True), send, recv
 """,
-    "a tensor, not a list": """
-def split_sizes(expert_ids, experts_per_rank, world_size):
-    return torch.bincount(expert_ids // experts_per_rank, minlength=world_size)
+    "counts gathered from everyone instead of swapped (all ranks' rows to me summed)": """
+def exchange_counts(expert_ids):
+    destination = expert_ids % world_size
+    send = torch.bincount(destination, minlength=world_size)
+    total = send.clone()
+    dist.all_reduce(total)
+    return destination.argsort(stable=True), send.tolist(), total.tolist()
 """,
 }
 
 
-@pytest.mark.parametrize("wrong", list(SPLIT_WRONG))
-def test_18_split_sizes_must_count_rows_per_rank(ip, cluster, wrong):
-    assert_checker(ip, LESSON, 1, SPLIT_WRONG[wrong], WORLD)
+@pytest.mark.parametrize("wrong", list(EXCHANGE_WRONG))
+def test_18_exchange_counts_must_swap_round_robin_counts(ip, cluster, wrong):
+    assert_checker(ip, LESSON, 1, EXCHANGE_WRONG[wrong], WORLD)
 
 
-# exercise 2: each expert keeps its first `capacity` rows in token order
+# exercise 2: GShard's order, every token's first choice before any second choice
 
-CAPACITY_WRONG = {
-    "the first `capacity` rows overall": """
-def within_capacity(expert_ids, capacity):
-    return torch.arange(len(expert_ids)) < capacity
+PRIORITY_WRONG = {
+    "token order (the lesson's), not first choices first": """
+def keep_first_choices_first(chosen, capacity):
+    flat = chosen.flatten()
+    kept = torch.zeros_like(flat, dtype=torch.bool)
+    for e in flat.unique():
+        rows = (flat == e).nonzero().flatten()
+        kept[rows[:capacity]] = True
+    return kept.view(chosen.shape)
 """,
     "the last rows of each expert kept": """
-def within_capacity(expert_ids, capacity):
-    flipped = expert_ids.flip(0)
-    seen, keep = {}, []
-    for e in flipped.tolist():
-        seen[e] = seen.get(e, 0) + 1
-        keep.append(seen[e] <= capacity)
-    return torch.tensor(keep).flip(0)
+def keep_first_choices_first(chosen, capacity):
+    flat = chosen.t().flatten()
+    kept = torch.zeros_like(flat, dtype=torch.bool)
+    for e in flat.unique():
+        rows = (flat == e).nonzero().flatten()
+        if capacity:
+            kept[rows[-capacity:]] = True
+    return kept.view(chosen.shape[1], chosen.shape[0]).t()
 """,
     "off by one (capacity + 1 kept)": """
-def within_capacity(expert_ids, capacity):
-    seen, keep = {}, []
-    for e in expert_ids.tolist():
-        seen[e] = seen.get(e, 0) + 1
-        keep.append(seen[e] <= capacity + 1)
-    return torch.tensor(keep, dtype=torch.bool)
+def keep_first_choices_first(chosen, capacity):
+    flat = chosen.t().flatten()
+    kept = torch.zeros_like(flat, dtype=torch.bool)
+    for e in flat.unique():
+        rows = (flat == e).nonzero().flatten()
+        kept[rows[:capacity + 1]] = True
+    return kept.view(chosen.shape[1], chosen.shape[0]).t()
 """,
     "nothing dropped": """
-def within_capacity(expert_ids, capacity):
-    return torch.ones(len(expert_ids), dtype=torch.bool)
+def keep_first_choices_first(chosen, capacity):
+    return torch.ones_like(chosen, dtype=torch.bool)
+""",
+    "the slot-major mask not turned back to (tokens, slots)": """
+def keep_first_choices_first(chosen, capacity):
+    flat = chosen.t().flatten()
+    kept = torch.zeros_like(flat, dtype=torch.bool)
+    for e in flat.unique():
+        rows = (flat == e).nonzero().flatten()
+        kept[rows[:capacity]] = True
+    return kept.view(chosen.shape)
 """,
 }
 
 
-@pytest.mark.parametrize("wrong", list(CAPACITY_WRONG))
-def test_18_capacity_must_keep_each_experts_first_rows(ip, cluster, wrong):
-    assert_checker(ip, LESSON, 2, CAPACITY_WRONG[wrong], WORLD)
+@pytest.mark.parametrize("wrong", list(PRIORITY_WRONG))
+def test_18_capacity_must_take_first_choices_first(ip, cluster, wrong):
+    assert_checker(ip, LESSON, 2, PRIORITY_WRONG[wrong], WORLD)
 
 
 def test_18_run_all_checks_the_learners_answers(ip, cluster):
     wrong = {
-        1: SPLIT_WRONG["experts dealt round-robin (expert % world_size)"],
-        2: CAPACITY_WRONG["the first `capacity` rows overall"],
+        1: EXCHANGE_WRONG["no exchange: recv_sizes taken to be send_sizes"],
+        2: PRIORITY_WRONG["token order (the lesson's), not first choices first"],
     }
     assert_run_all(ip, LESSON, wrong, WORLD)
