@@ -15,6 +15,8 @@ memory and published to the notebook (a data message of the cell, ``TRACE_KEY``)
 ends (IPython's ``post_execute``). A call made by a library is labelled with who made it
 (``DDP bucket 0``, ``DTensor``, ``broadcast_object_list``) and placed at the user's line that
 led to it (``loss.backward()``), both read from its frames (:mod:`ddp_magics.engine.call_sites`).
+A call's values are its tensors at the moment it completes (:mod:`ddp_magics.engine.completions`),
+not later, when a library may have reused its buffer.
 The events of a cell that blocks in C code reach the notebook with the rank's stack, through
 :mod:`ddp_magics.engine.inspector`. The ops traced are listed in :mod:`ddp_magics.engine.c10d_ops`,
 and their tensors described by :mod:`ddp_magics.engine.tensors`.
@@ -33,22 +35,19 @@ import time
 
 from ddp_magics.engine.c10d_ops import API_OPS, C10D_OPS, C10dOp, reduce_op_name, work_of
 from ddp_magics.engine.call_sites import CallSites
+from ddp_magics.engine.completions import Completions
 from ddp_magics.engine.tensors import TensorDescriptions, first_tensor
 from ddp_magics.protocol import (
     DEFAULT_VALUES_LIMIT,
     DONE,
     ERROR,
     OPS,
-    RUNNING,
     TRACE_KEY,
     WAIT,
-    WAITING,
     TraceEvent,
 )
 
 UNNAMED_MESH_DIM = re.compile(r"mesh_dim_\d+")
-UNFINISHED_GRACE_SECONDS = 0.1  # at the cell's end, for all of its libraries' futures together
-UNFINISHED_POLL_SECONDS = 0.001
 
 
 class Tracer:
@@ -70,10 +69,7 @@ class Tracer:
         self._original_wait = None
         self._groups: dict[int, tuple[object, tuple[int, ...], str]] = {}
         self._tensors = TensorDescriptions(torch, values_limit)
-        # id(work) -> (work, its event, the call's output tensors): handles not finished yet.
-        self._pending: dict[int, tuple[object, TraceEvent, tuple]] = {}
-        self._futures: dict[int, object] = {}  # id(work) -> its future (None: it has none)
-        self._finished_elsewhere: list[tuple[TraceEvent, tuple]] = []  # outputs read at the end
+        self._completions = Completions(torch, self._tensors)
         self._call_sites = CallSites(torch)
         self._unnamed_reduce_ops: list[tuple[TraceEvent, object]] = []  # (event, its ReduceOp)
 
@@ -83,16 +79,20 @@ class Tracer:
         work_type = self._dist.distributed_c10d.Work
         # Everything registered at once or nothing: a kernel left behind would outlive the cell.
         library = torch.library.Library("c10d", "IMPL")
+        functional = torch.library.Library("_c10d_functional", "IMPL")
         try:
             for name, spec in C10D_OPS.items():
                 if torch._C._dispatch_has_kernel(f"c10d::{name}"):  # an older torch may lack one
                     library.impl(name, self._kernel(name, spec), "BackendSelect", with_keyset=True)
+            if torch._C._dispatch_has_kernel("_c10d_functional::wait_tensor"):
+                functional.impl("wait_tensor", self._wait_tensor_kernel(), "BackendSelect", with_keyset=True)
         except BaseException:
             library._destroy()
+            functional._destroy()
             raise
-        self._library = library
+        self._library = (library, functional)
         original = self._original_wait = work_type.wait
-        pending = self._pending
+        pending = self._completions.pending
         tracer = self
 
         def wait(work, *args, **kwargs):
@@ -108,72 +108,26 @@ class Tracer:
         if self._library is not None:
             # torch.library drops a registration when the Library is garbage collected; this
             # drops it now (there is no public way to).
-            self._library._destroy()
+            for library in self._library:
+                library._destroy()
             self._library = None
         if self._original_wait is not None:
             self._dist.distributed_c10d.Work.wait = self._original_wait
             self._original_wait = None
         self.active = False
-        # A library's call whose handle nobody waited on in Python (DDP's reducer and the
-        # functional collectives wait in C++), if finished, is read now; one that is not (an
-        # async result the cell never used) is left as never waited on, its results unknown;
-        # one whose handle cannot tell is left done with its results unknown. The backend
-        # completes a future on its own thread, a little after the library that waited for its
-        # result (DDP's reducer) went on: so it gets a moment to.
-        deadline = time.monotonic() + UNFINISHED_GRACE_SECONDS
-        while self._settle_library_calls() and time.monotonic() < deadline:
-            time.sleep(UNFINISHED_POLL_SECONDS)
-        for work, event, _ in self._pending.values():
-            if event.status != RUNNING or event.made_by is None:
-                continue
-            if self._future(work) is not None:
-                event.status = WAITING
-            else:  # no way to tell (gloo's reduce-scatter never says it completed): results unknown
-                event.status, event.end = DONE, time.time()
-        for event, outputs in self._finished_elsewhere:
-            if event.after is None and event.status == DONE:
-                event.after = self._tensors.describe(outputs)
+        self._completions.finish()
         self.name_reduce_ops()
         # Let go of the cell's groups, handles and tensors: a group the user deletes must really
         # go (destroying and re-forming the default group on the same port relies on it).
-        self._pending.clear()
-        self._futures.clear()
-        self._finished_elsewhere.clear()
+        self._completions.clear()
         self._groups.clear()
         self._tensors.clear()
         self._call_sites.forget_paths()
 
-    def _settle_library_calls(self) -> int:
-        """Mark the library calls finished since last asked as done; how many are not yet.
-        (Not a completion callback: that would run Python on the backend's thread, which then
-        waits for the GIL while the cell runs Python.)"""
-        unfinished = 0
-        for work, event, outputs in list(self._pending.values()):
-            if event.status != RUNNING or event.made_by is None:
-                continue
-            future = self._future(work)
-            if future is None:
-                continue
-            if work.is_completed() or future.done():
-                event.status, event.end = DONE, time.time()
-                self._finished_elsewhere.append((event, outputs))
-            else:
-                unfinished += 1
-        return unfinished
-
-    def _future(self, work):
-        """The handle's future; None if its backend has none (gloo's send, recv, reduce-scatter)."""
-        if id(work) not in self._futures:
-            try:
-                self._futures[id(work)] = work.get_future()
-            except RuntimeError:  # "not implemented"
-                self._futures[id(work)] = None
-        return self._futures[id(work)]
-
     def events_with_in_flight(self) -> list[TraceEvent]:
         """The events so far and, if a thread is inside a call (blocked in the backend:
         a first NCCL call creating its communicator, monitored_barrier), that call's."""
-        self._settle_library_calls()
+        self._completions.settle(read=False)
         events = list(self.events)
         in_flight = self._in_flight
         if in_flight is None:
@@ -210,6 +164,7 @@ class Tracer:
             # backend has the call, while it communicates (measured: that time is hidden).
             started = time.time()
             try:
+                self._completions.settle()  # a library's calls finished since: read before reuse
                 before = self._tensors.describe(args[spec.inputs]) if spec.inputs is not None else ()
             except Exception as error:  # a bug of ours must not change what the cell does
                 return _recording_failed(error, op, keys, args, kwargs)
@@ -229,9 +184,9 @@ class Tracer:
                 handle = result[-1] if isinstance(result, tuple) and result else result
                 work = work_of(work_type, handle) if isinstance(handle, script_object) else None
                 if work is not None:
-                    self._follow(work, event, outputs)
+                    self._completions.follow(work, event, outputs)
                 else:  # over already: monitored_barrier, or a backend that waited in C++ (NCCL)
-                    self._complete(event, outputs)
+                    self._completions.complete(event, outputs)
             except Exception as error:
                 _say_recording_failed(error)
             return result
@@ -297,11 +252,22 @@ class Tracer:
                 event.primary = self._tensors.known(first)[1]
         return event
 
-    def _follow(self, work, event: TraceEvent, outputs) -> None:
-        """Keep the call's handle: its wait (or, for a library's call, its future) ends it."""
-        self._pending[id(work)] = (work, event, outputs)
-        if event.async_op and event.made_by is None:
-            event.status = WAITING
+    def _wait_tensor_kernel(self):
+        """The functional collectives' wait (DTensor's, in C++): their calls finished are read."""
+        torch = self._torch
+        op = torch.ops._c10d_functional.wait_tensor.default
+        below = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.BackendSelect)
+        completions = self._completions
+
+        def traced_wait(keyset, *args, **kwargs):
+            result = op.redispatch(keyset & below, *args, **kwargs)
+            try:
+                completions.settle()
+            except Exception as error:
+                _say_recording_failed(error)
+            return result
+
+        return traced_wait
 
     def _wait(self, original, work, pending: tuple, args: tuple, kwargs: dict):
         _, event, outputs = pending
@@ -334,20 +300,11 @@ class Tracer:
             raise
         if event.peer is None and event.op in ("recv", "irecv"):  # from any source
             event.peer = event.group[work._source_rank()]
-        self._pending.pop(id(work), None)
-        self._complete(event, outputs)
+        self._completions.finished(work)
+        self._completions.complete(event, outputs)
         if wait_event is not None:
             wait_event.after, wait_event.end, wait_event.status = (), time.time(), DONE
         return result
-
-    def _complete(self, event: TraceEvent, outputs) -> None:
-        before = event.before
-        if before and OPS[event.op].in_place and not any(info.values for info in before):
-            event.after = event.before  # same tensors, too large to keep values: nothing new
-        else:
-            event.after = self._tensors.describe(outputs)
-        event.end = time.time()
-        event.status = DONE
 
     def _fail(self, event: TraceEvent, error: BaseException) -> None:
         message = str(error).strip().splitlines()
