@@ -90,7 +90,9 @@ class CellOutcome:
 
     @property
     def clean(self) -> bool:
-        return not (self.failures or self.dead or self.blocked)
+        """Every rank finished by itself: nothing raised, died, waits, or was released, and the
+        stop button was not pressed (a stopped cell is an error, so a front end's queue stops)."""
+        return not (self.failures or self.dead or self.blocked or self.released or self.ended == INTERRUPTED)
 
     @property
     def finished(self) -> list[int]:
@@ -151,8 +153,10 @@ class CellRun:
                 now = time.monotonic()
                 if failed_since is None and answers.any_failed():
                     failed_since = now
-                if failed_since is not None and now - failed_since > waits.error_grace:
-                    return AFTER_ERROR
+                if failed_since is not None and (
+                    now - failed_since > waits.error_grace or answers.any_quit_debugging()
+                ):
+                    return AFTER_ERROR  # after the grace; at once if a rank quit its debugger
                 if now - started > waits.timeout:
                     return TIMEOUT
                 if now - started > waits.live_view_after and now - last_tick > LIVE_REFRESH_SECONDS:

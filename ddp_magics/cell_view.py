@@ -11,8 +11,8 @@ from IPython.display import display
 
 from ddp_magics.cell_run import CellOutcome, Prompt, Tick
 from ddp_magics.cluster.rank_cluster import RankCluster
-from ddp_magics.cluster.records import ClusterError
-from ddp_magics.errors import usage_error
+from ddp_magics.cluster.records import ClusterError, GroupBroken
+from ddp_magics.errors import BROKEN_ADVICE, usage_error
 from ddp_magics.live_view import LiveView
 from ddp_magics.output import live_html, render
 from ddp_magics.protocol import rank_label
@@ -34,7 +34,12 @@ def with_progress(magic: str, action: Callable[[Callable[[str], None]], object],
     try:
         return action(progress)
     except ClusterError as error:
-        raise usage_error(f"{magic} failed: {error}") from None
+        broken = (
+            f". The ranks are left without a process group: {BROKEN_ADVICE}"
+            if isinstance(error, GroupBroken)
+            else ""
+        )
+        raise usage_error(f"{magic} failed: {error}{broken}") from None
     finally:
         live.close()
 

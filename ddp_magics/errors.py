@@ -8,13 +8,15 @@ from dataclasses import dataclass, field
 from IPython.core.error import UsageError
 
 from ddp_magics.cluster.records import RankFailure
-from ddp_magics.protocol import rank_label
+from ddp_magics.protocol import DEBUGGER_QUIT, rank_label
 from ddp_magics.stacks import BlockedRank
 
 RESTART_ADVICE = (
     "Run %dist_recover to get every rank back with its state (a new process group), "
     "or %dist_restart for new engines."
 )
+# After a recovery failed part way, when the ranks are no longer one process group.
+BROKEN_ADVICE = "%dist_restart starts new engines (every rank's state is lost); %dist_recover tries again."
 
 
 def usage_error(message: str) -> UsageError:
@@ -65,6 +67,8 @@ class DistributedCellError(Exception):
 
     def summary(self) -> str:
         parts = []
+        if self.interrupted and not any(failure.ename in _STOPPED_ON_A_RANK for failure in self.failures):
+            parts.append("the cell was stopped")  # no rank says so itself
         by_error: dict[tuple[str, str], list[int]] = {}
         for failure in self.failures:
             by_error.setdefault((failure.ename, failure.evalue), []).append(failure.rank)
@@ -122,6 +126,10 @@ class DistributedCellError(Exception):
         if not self.usable:
             lines.append(RESTART_ADVICE)
         return lines
+
+
+# What a rank answers when the stop button ended its part of the cell.
+_STOPPED_ON_A_RANK = ("KeyboardInterrupt", DEBUGGER_QUIT)
 
 
 def _by_place(ranks: list[BlockedRank]) -> dict[str, list[int]]:

@@ -21,7 +21,7 @@ from ddp_magics.cluster.rank_cluster import RankCluster
 from ddp_magics.cluster.records import BACKENDS, LAUNCHERS, ClusterConfig, ClusterError, DeadRanks, Recovery
 from ddp_magics.cluster.strays import stop_stray_clusters
 from ddp_magics.diff import describe_differences
-from ddp_magics.errors import RESTART_ADVICE, usage_error
+from ddp_magics.errors import BROKEN_ADVICE, RESTART_ADVICE, usage_error
 from ddp_magics.output import StatusTable
 from ddp_magics.protocol import rank_label
 from ddp_magics.settings import Settings
@@ -258,6 +258,10 @@ class DistributedMagics(Magics, Settings):
         """The running cluster, if every rank can take a new cell."""
         if self.cluster is None:
             raise self._no_cluster()
+        if self.cluster.broken:
+            raise usage_error(
+                f"The ranks are not one process group since {self.cluster.broken}. {BROKEN_ADVICE}"
+            )
         dead = self.cluster.dead_ranks() if check_dead else []
         if dead:
             raise self._dead(dead)

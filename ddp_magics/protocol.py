@@ -281,6 +281,8 @@ DEBUGGER_KEY = "ddp_magics.debugger"  # a DebuggerPrompt: a rank in breakpoint()
 DEBUGGER_INPUT_REQUEST = "ddp_magics_debugger_input_request"
 # The line the notebook sends when no input can be read there: skip this cell's breakpoints.
 SKIP_BREAKPOINTS = "\x00skip"
+# The error a rank answers with when ``q`` at its prompt ended the cell there, on purpose.
+DEBUGGER_QUIT = "DebuggerQuit"
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ import re
 from ddp_magics.cell_run import INTERRUPTED, TIMEOUT, CellOutcome
 from ddp_magics.cluster.rank_cluster import RankCluster
 from ddp_magics.cluster.records import RankFailure, Recovery
-from ddp_magics.errors import DistributedCellError
-from ddp_magics.protocol import rank_label
+from ddp_magics.errors import BROKEN_ADVICE, DistributedCellError
+from ddp_magics.protocol import DEBUGGER_QUIT, rank_label
 
 
 def start_summary(cluster: RankCluster) -> str:
@@ -95,7 +95,10 @@ def _release_notes(outcome: CellOutcome) -> list[str]:
     if outcome.recovery is not None:
         return stale_lines(outcome.recovery.stale)
     if outcome.release_problem:
-        return [f"The ranks still waiting could not be released: {outcome.release_problem}"]
+        return [
+            f"The ranks still waiting could not be released: {outcome.release_problem}. "
+            "The ranks are left without a process group: " + BROKEN_ADVICE
+        ]
     computing = [blocked.rank for blocked in outcome.blocked if not blocked.in_communication]
     waiting = [blocked.rank for blocked in outcome.blocked if blocked.in_communication]
     if not (outcome.ended_on_a_rank and computing) or outcome.dead or outcome.ended == INTERRUPTED:
@@ -129,7 +132,7 @@ def _shown(
     """A failure as the report shows it: ``q`` at a prompt without a traceback (the user ended
     the cell there), a use of a process group that %dist_recover destroyed as one line naming
     what holds old groups on that rank, any other failure unchanged."""
-    if failure.ename == "DebuggerQuit":
+    if failure.ename == DEBUGGER_QUIT:
         return RankFailure(rank=failure.rank, ename=failure.ename, evalue=failure.evalue, traceback="")
     closed = _CLOSED_CONNECTION.search(failure.evalue)
     if not (_DESTROYED_GROUP.search(failure.evalue) or (closed and closed[1] in cut_peers)):

@@ -33,7 +33,10 @@ class Settings(Configurable):
     error_grace = Float(
         5.0,
         config=True,
-        help="After a rank raises, seconds to wait for the other ranks before reporting where they are.",
+        help=(
+            "After a rank raises, seconds to wait for the other ranks before reporting where they are "
+            "(none after q at a rank's debugger prompt: it ended the cell on purpose)."
+        ),
     )
     interrupt_grace = Float(
         3.0, config=True, help="Seconds interrupted ranks get to stop before being reported."

@@ -6,6 +6,8 @@ hang (no rank ended) is only reported. On a real kernel with 4 gloo ranks, answe
 from __future__ import annotations
 
 import threading
+import time
+from pathlib import Path
 
 import pytest
 
@@ -176,4 +178,60 @@ def test_a_plain_hang_is_only_reported(four):
     assert status == "error" and "rank 0 still running an earlier cell" in error
     status, _, text, _ = run_with_answers(client, "%dist_recover", [])
     assert status == "ok", text
+    assert_next_cell_runs_with_state_kept(client)
+
+
+def stop_once_written(manager, client, cell: str, marks: Path, ranks: int, queued: str) -> tuple[dict, dict]:
+    """Send ``cell``, then ``queued`` behind it, as Run All does; press the stop button once every
+    one of ``ranks`` has written its mark (the ranks that finish, and those about to wait); the
+    two replies."""
+    first = client.execute(cell)
+    second = client.execute(queued)
+    deadline = time.monotonic() + 60
+    while len(list(marks.glob("rank*"))) < ranks:
+        assert time.monotonic() < deadline, f"marks written: {sorted(p.name for p in marks.iterdir())}"
+        time.sleep(0.05)
+    manager.interrupt_kernel()
+    replies = {}
+    while len(replies) < 2:
+        reply = client.get_shell_msg(timeout=60)
+        replies[reply["parent_header"]["msg_id"]] = reply["content"]
+    return replies[first], replies[second]
+
+
+@pytest.mark.parametrize("waiting", ["rank 0", "every rank"])
+def test_the_stop_button_with_only_ranks_waiting_in_communication_is_an_error(four, tmp_path, waiting):
+    """No rank raises: the waiting ranks are released, and the cell still ends in an error that
+    says it was stopped, so the front end drops the cells queued after it."""
+    manager, client = four
+    waits = "rank == 0" if waiting == "rank 0" else "True"
+    cell = (
+        f"%%distributed\nfrom pathlib import Path\nPath({str(tmp_path)!r}, f'rank{{rank}}').touch()\n"
+        f"if {waits}:\n    dist.recv(torch.zeros(1), src=(rank + 1) % world_size)"
+    )
+    queued = f"from pathlib import Path\nPath({str(tmp_path)!r}, 'queued cell ran').touch()"
+    stopped, after = stop_once_written(manager, client, cell, tmp_path, 4, queued)
+    assert stopped["status"] == "error", stopped
+    label, were = ("rank 0", "was") if waiting == "rank 0" else ("ranks 0-3", "were")
+    assert stopped["evalue"] == (
+        f"the cell was stopped; {label} {were} waiting in recv at cell line 4 and {were} released "
+        "(state kept, new process group)"
+    ), stopped["evalue"]
+    assert after["status"] == "aborted", after
+    assert not (tmp_path / "queued cell ran").exists()
+    assert_next_cell_runs_with_state_kept(client)
+
+
+def test_q_releases_the_others_without_waiting_for_the_error_grace(four):
+    """``q`` ends the rank on purpose: the others are released at once, not after error_grace
+    (an hour here; the front end's wait for the reply is a minute)."""
+    _, client = four
+    status, _, text, _ = run_with_answers(client, "%config DistributedMagics.error_grace = 3600", [])
+    assert status == "ok", text
+    try:
+        cell = "%%distributed\nif rank == 2:\n    breakpoint()\ndist.all_reduce(torch.ones(1))"
+        error, _ = report_of(client, cell, ["q"])
+        assert error == "rank 2 raised DebuggerQuit: the debugger was quit (q); " + RELEASED_3.format(line=3)
+    finally:
+        run_with_answers(client, "%config DistributedMagics.error_grace = 1.0", [])
     assert_next_cell_runs_with_state_kept(client)

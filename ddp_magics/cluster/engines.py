@@ -93,6 +93,13 @@ class CellAnswers:
     def any_failed(self) -> bool:
         return any(answer["status"] == "error" for answer in self._answers.values())
 
+    def any_quit_debugging(self) -> bool:
+        """Whether a rank ended the cell on purpose, by ``q`` at its debugger's prompt."""
+        return any(
+            answer["status"] == "error" and getattr(answer["error"], "ename", None) == protocol.DEBUGGER_QUIT
+            for answer in self._answers.values()
+        )
+
     def next_debugger_prompt(self) -> tuple[int, protocol.DebuggerPrompt] | None:
         """The lowest rank stopped in ``breakpoint()`` at a prompt not handed out before, with
         the prompt (handed out now); None if there is none."""

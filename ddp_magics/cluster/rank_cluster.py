@@ -50,6 +50,9 @@ class RankCluster:
         self.backend: str | None = None  # "auto" resolved once the engines are probed
         self.engines = Engines()
         self._processes = ClusterProcesses(config, self.engines)
+        # Why the ranks are not one working process group (a recovery that failed part way, after
+        # cutting the old groups): every cell is refused until a recovery or restart succeeds.
+        self.broken: str | None = None
 
     @property
     def ranks(self) -> list[RankInfo]:
@@ -102,6 +105,7 @@ class RankCluster:
         except BaseException:
             self.stop()
             raise
+        self.broken = None
 
     def recover(
         self,
@@ -114,8 +118,8 @@ class RankCluster:
         rank has defined: cut the old groups' connections (which ends a blocked collective),
         interrupt ranks still running the ``unfinished`` cell, then re-form the group. A dead
         rank is replaced by a new engine under its number, or, with ``shrink``, left out and
-        the others renumbered. A ClusterError, with the cluster left as it was, if a rank does
-        not stop or no rank lives."""
+        the others renumbered. A ClusterError if a rank does not stop or no rank lives; once
+        the old groups were cut, the cluster is then :attr:`broken`."""
         done = recovery.recover(self, unfinished, shrink, interrupt_grace, progress)
         self.n = done.world_size
         return done
@@ -195,7 +199,10 @@ class RankCluster:
         """Start running ``code`` on ``ranks`` as the notebook's cell ``cell_number`` (traced,
         keeping the values of tensors of up to ``trace_values_limit`` elements, unless that is
         None; under ``torch.profiler`` if ``profiled``); returns at once. DeadRanks if a rank has
-        died, a ClusterError if tracing or profiling could not start."""
+        died, a ClusterError if tracing or profiling could not start or the cluster is
+        :attr:`broken`."""
+        if self.broken:
+            raise ClusterError(f"the ranks are not one process group since {self.broken}")
         dead = self.dead_ranks()
         if dead:
             raise DeadRanks(dead)

@@ -22,6 +22,11 @@ class ClusterError(RuntimeError):
     """The cluster could not do what was asked (start, reach a rank, ...)."""
 
 
+class GroupBroken(ClusterError):
+    """A recovery failed after it had cut the old process groups: the ranks are no longer one
+    working group, and the cluster refuses cells until a recovery or a restart succeeds."""
+
+
 class DeadRanks(ClusterError):
     """Ranks whose engine process is gone: nothing runs until they are replaced."""
 

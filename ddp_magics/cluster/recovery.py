@@ -5,25 +5,32 @@ running are interrupted, dead ranks replaced (or left out), and a new group form
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import TYPE_CHECKING
 
 from ddp_magics import protocol
 from ddp_magics.cluster import process_group
 from ddp_magics.cluster.engines import SIGNAL_SECONDS, CellAnswers
-from ddp_magics.cluster.records import ClusterError, Recovery
+from ddp_magics.cluster.records import ClusterError, GroupBroken, Recovery
 from ddp_magics.engine import rank as rank_code
-from ddp_magics.stacks import formatting_an_error, in_a_collective, parse_stack_dump
+from ddp_magics.stacks import Frame, cell_frames, formatting_an_error, in_a_collective, parse_stack_dump
 
 if TYPE_CHECKING:
     from ddp_magics.cluster.rank_cluster import Progress, RankCluster
 
-# After their connections are cut, ranks blocked in a collective end within milliseconds (plus
-# IPython formatting their error, longer on a loaded machine); a rank still running after this
-# is running Python (or C code) of its own, and is interrupted.
+# After their connections are cut, ranks blocked in a collective end within milliseconds (their
+# error is not formatted: see engine.recovery); a rank still running after this is running Python
+# (or C code) of its own, and is interrupted.
 CUT_WAIT_SECONDS = 1.0
-# Ranks showing their error after the cut get up to this long in all to end.
-FORMATTING_LIMIT_SECONDS = 30.0
+# How long, at least, ranks that show they are ending (unwinding, showing an error) or that give no
+# sign (a stack dump that does not come on a loaded machine) are waited for; a second more for each
+# rank per core of this machine, which all of them share.
+ENDING_LIMIT_SECONDS = 30.0
+ENDING_SECONDS_PER_RANK_PER_CORE = 1.0
+# A rank interrupted, still in the cell's code after the interrupt grace, is looked at again after
+# this long: in the same place, it is not stopping (a busy rank merely waiting for a core moves on).
+PROGRESS_CHECK_SECONDS = 1.0
 
 
 def recover(
@@ -33,11 +40,31 @@ def recover(
     interrupt_grace: float,
     progress: Progress,
 ) -> Recovery:
-    """See :meth:`RankCluster.recover`."""
+    """See :meth:`RankCluster.recover`. From the cut on, the cluster is marked broken until the
+    new group has formed: a recovery that fails part way leaves no half-formed group in use."""
     dead = cluster.dead_ranks()
     alive = [rank for rank in range(cluster.n) if rank not in dead]
     if not alive:
-        raise ClusterError("every rank is dead; %dist_restart starts new ones")
+        raise ClusterError("every rank is dead")
+    cluster.broken = "a recovery stopped part way"
+    try:
+        done = _cut_and_reform(cluster, unfinished, shrink, interrupt_grace, progress, dead, alive)
+    except ClusterError as error:
+        cluster.broken = f"a recovery failed: {error}"
+        raise GroupBroken(str(error)) from None
+    cluster.broken = None
+    return done
+
+
+def _cut_and_reform(
+    cluster: RankCluster,
+    unfinished: CellAnswers | None,
+    shrink: bool,
+    interrupt_grace: float,
+    progress: Progress,
+    dead: list[int],
+    alive: list[int],
+) -> Recovery:
     progress("cutting the process groups' connections")
     # Just after a network outage, TCP resends only when its back-off timer fires (up to as
     # long as the outage was): ranks on other hosts get as long as a link may be lost.
@@ -47,8 +74,7 @@ def recover(
         hosts = sorted({cluster.ranks[rank].host for rank in unreachable})
         raise ClusterError(
             f"{protocol.rank_label(unreachable)} on {', '.join(hosts)} did not answer within "
-            f"{answer_seconds:g} s (host unreachable?); try again once the network is back, or "
-            "%dist_restart for new engines"
+            f"{answer_seconds:g} s (host unreachable?); try again once the network is back"
         )
     interrupted = []
     if unfinished is not None:
@@ -92,67 +118,79 @@ def _stop_the_cell(
     progress: Progress,
 ) -> list[int]:
     """After the cut: the ranks still running the ``unfinished`` cell are cut again (if still in
-    a collective) or interrupted (if running Python); the ranks interrupted."""
+    a collective) or interrupted (if running the cell's code), then waited for while they show
+    they are ending; the ranks interrupted."""
     busy = unfinished.pending_among(alive, CUT_WAIT_SECONDS)
-    interrupted = []
-    if busy:
-        stacks = {
-            rank: parse_stack_dump(dump.stack) for rank, dump in cluster.inspect(unfinished, busy).items()
-        }
-        # faulthandler answers the cut as it answers a stack dump, and drops a signal that
-        # comes while it is writing a dump (a stack-dump request held up by a network
-        # outage reaches a rank together with the cut): a rank its dump shows still in a
-        # collective gets the cut again, now that its dump is written.
-        blocked = [rank for rank in busy if rank in stacks and in_a_collective(stacks[rank])]
-        if blocked:
-            cluster.signal(protocol.CUT_CONNECTIONS_SIGNAL, blocked, timeout=answer_seconds)
-            still = unfinished.pending_among(blocked, CUT_WAIT_SECONDS)
-            busy = [rank for rank in busy if rank not in blocked or rank in still]
-        # A rank whose collective the cut ended may still be formatting its error (slow on
-        # a loaded machine): its stack says so, and it is left to finish.
-        interrupted = [rank for rank in busy if rank not in stacks or not formatting_an_error(stacks[rank])]
+    if not busy:
+        return []
+    stacks = {rank: parse_stack_dump(dump.stack) for rank, dump in cluster.inspect(unfinished, busy).items()}
+    # faulthandler answers the cut as it answers a stack dump, and drops a signal that comes
+    # while it is writing a dump (a stack-dump request held up by a network outage reaches a
+    # rank together with the cut): a rank its dump shows still in a collective gets the cut
+    # again, now that its dump is written.
+    blocked = [rank for rank in busy if rank in stacks and in_a_collective(stacks[rank])]
+    if blocked:
+        cluster.signal(protocol.CUT_CONNECTIONS_SIGNAL, blocked, timeout=answer_seconds)
+        still = unfinished.pending_among(blocked, CUT_WAIT_SECONDS)
+        busy = [rank for rank in busy if rank not in blocked or rank in still]
+    # A rank whose collective the cut ended may be unwinding or showing its error (slow on a
+    # loaded machine): its stack says so, and it is left to finish.
+    interrupted = [rank for rank in busy if rank not in stacks or not _ending(stacks[rank])]
     if interrupted:
         progress(f"interrupting {protocol.rank_label(interrupted)}")
         cluster.interrupt(interrupted)
-    if busy:
-        stuck = _still_formatting_errors(cluster, unfinished, alive, interrupt_grace)
-        if stuck:
-            _wait_for_far_answers(cluster, unfinished, stuck, interrupt_grace, progress)
+    started = time.monotonic()
+    stuck = _wait_while_ending(cluster, unfinished, busy, interrupt_grace)
+    if stuck:
+        _wait_for_far_answers(cluster, unfinished, stuck, time.monotonic() - started, progress)
     return interrupted
 
 
-def _still_formatting_errors(
-    cluster: RankCluster, run: CellAnswers, alive: list[int], interrupt_grace: float
+def _ending(threads: list[list[Frame]]) -> bool:
+    """Whether a rank's stack shows its cell ending: out of the cell's code (unwinding, or
+    answering), or showing the cell's error."""
+    return not cell_frames(threads) or formatting_an_error(threads)
+
+
+def _wait_while_ending(
+    cluster: RankCluster, run: CellAnswers, ranks: list[int], interrupt_grace: float
 ) -> list[int]:
-    """The ranks still running ``run`` after ``interrupt_grace``, given more time while every one
-    of them is showing its error: a traceback through a file IPython has not read before takes it
-    seconds on a loaded machine (``distributed_c10d.py``: 0.7 s on an idle core), and they end."""
-    deadline = time.monotonic() + FORMATTING_LIMIT_SECONDS
-    stuck = run.pending_among(alive, interrupt_grace)
+    """Those of ``ranks`` still running ``run`` once none of them shows progress: each gets
+    ``interrupt_grace``, then more while its stack dumps show it ending, or in another place of
+    the cell's code than the last dump, or do not come (a loaded machine), up to a limit that
+    grows with the ranks per core. A rank twice in the same place of the cell's code after an
+    interrupt is not stopping."""
+    per_core = len(cluster.ranks) / (os.cpu_count() or 1) if cluster.forked_here else 1.0
+    deadline = time.monotonic() + ENDING_LIMIT_SECONDS + ENDING_SECONDS_PER_RANK_PER_CORE * per_core
+    stuck = run.pending_among(ranks, interrupt_grace)
+    last: dict[int, list[Frame]] = {}
     while stuck and time.monotonic() < deadline:
-        dumps = cluster.inspect(run, stuck)
-        if not all(
-            rank in dumps and formatting_an_error(parse_stack_dump(dumps[rank].stack)) for rank in stuck
-        ):
+        stacks = {rank: parse_stack_dump(dump.stack) for rank, dump in cluster.inspect(run, stuck).items()}
+        moving = [
+            rank
+            for rank in stuck
+            if rank not in stacks or _ending(stacks[rank]) or cell_frames(stacks[rank]) != last.get(rank)
+        ]
+        if not moving:
             break
-        stuck = run.pending_among(stuck, interrupt_grace)
+        last = {rank: cell_frames(threads) for rank, threads in stacks.items()}
+        stuck = run.pending_among(stuck, PROGRESS_CHECK_SECONDS)
     return stuck
 
 
 def _wait_for_far_answers(
-    cluster: RankCluster, run: CellAnswers, stuck: list[int], interrupt_grace: float, progress: Progress
+    cluster: RankCluster, run: CellAnswers, stuck: list[int], waited: float, progress: Progress
 ) -> None:
-    """Ranks still running ``run`` after an interrupt: a ClusterError at once if every engine
-    is on this machine. Ranks on other hosts may have stopped while their answer waits for
-    a connection to come back after a network outage (TCP resends only after a back-off, up
-    to as long as the outage): they get up to ``link_loss_seconds``. (Their stacks cannot
-    tell: a stack dump asked for during the outage may arrive only now, taken before the
+    """Ranks still running ``run`` ``waited`` seconds after an interrupt: a ClusterError at
+    once if every engine is on this machine. Ranks on other hosts may have stopped while their
+    answer waits for a connection to come back after a network outage (TCP resends only after a
+    back-off, up to as long as the outage): they get up to ``link_loss_seconds``. (Their stacks
+    cannot tell: a stack dump asked for during the outage may arrive only now, taken before the
     cut.)"""
     if cluster.forked_here:
         raise ClusterError(
-            f"{protocol.rank_label(stuck)} did not stop within {interrupt_grace:g} s of an "
-            "interrupt (stuck in C code that ignores signals?); %dist_restart starts new "
-            "engines (every rank's state is lost)"
+            f"{protocol.rank_label(stuck)} did not stop within {waited:.0f} s of an interrupt "
+            "(stuck in C code that ignores signals?)"
         )
     link_loss = cluster.config.link_loss_seconds
     hosts = ", ".join(sorted({cluster.ranks[rank].host for rank in stuck}))
@@ -161,7 +199,6 @@ def _wait_for_far_answers(
     if silent:
         raise ClusterError(
             f"{protocol.rank_label(silent)} on {hosts} did not stop within "
-            f"{interrupt_grace + link_loss:g} s of an interrupt (stuck in C code that "
-            "ignores signals, or still cut off?); try again once the network is back, or "
-            "%dist_restart for new engines (every rank's state is lost)"
+            f"{waited + link_loss:.0f} s of an interrupt (stuck in C code that ignores signals, or "
+            "still cut off?); try again once the network is back"
         )

@@ -122,7 +122,8 @@ _MACHINERY_MODULES = [
 
 
 class DebuggerQuit(Exception):
-    """``q`` at a breakpoint()'s prompt: the cell ends on this rank, as if it raised there."""
+    """``q`` at a breakpoint()'s prompt: the cell ends on this rank, as if it raised there (the
+    notebook knows it by its name, ``protocol.DEBUGGER_QUIT``)."""
 
 
 class _NotebookPdb(_CellNames, pdb.Pdb):
@@ -191,8 +192,6 @@ def _set_trace(*, header: str | None = None, **_) -> None:
     if header is not None:
         debugger.message(header)
     debugger.set_trace(sys._getframe().f_back)
-
-
 
 
 class _PostMortem(_CellNames, pdb.Pdb):
