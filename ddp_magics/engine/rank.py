@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import socket
 import threading
-import time
 
 from ddp_magics.engine import debugging, recovery
 from ddp_magics.engine.inspector import start_inspector
@@ -168,8 +167,7 @@ def setup_rank(setup: RankSetup) -> str:
     recovery.note_engine_event_loops()
     if not debugging.notebook_debugger_installed():  # once per engine
         debugging.install_notebook_debugger()
-        if not error_reports_warm():  # not done in the zygote before it forked this engine
-            get_ipython().events.register("post_run_cell", _warm_up_after_the_first_cell)
+    recovery.errors_after_a_cut_unformatted(get_ipython())
     recovery.begin_forming()
 
     device = torch.device(setup.device)
@@ -202,8 +200,6 @@ def setup_rank(setup: RankSetup) -> str:
     return str(device)
 
 
-# An engine that has not inherited it formats a traceback once it has been idle this long.
-WARM_UP_WHEN_IDLE_SECONDS = 1.0
 # Whether this process has formatted a traceback through torch.distributed (inherited by the
 # engines a zygote forks once it has).
 _error_reports_warm = False
@@ -211,10 +207,11 @@ _error_reports_warm = False
 
 def warm_up_error_reports() -> None:
     """Format a traceback through torch.distributed once: IPython reads and parses each file of
-    a traceback the first time it shows one (distributed_c10d.py is 6,000 lines: about 0.7 s),
-    which would otherwise be paid by the first collective that fails, as a recovery waits for
-    blocked collectives to end. The zygote does it while idle, so the engines it forks after
-    inherit the parsed files; an engine forked before does it once idle after its first cell."""
+    a traceback the first time it shows one (distributed_c10d.py is 6,000 lines: about 0.5 s),
+    which would otherwise be paid by the first cell that raises through it. The zygote does it
+    while idle, so the engines it forks after (restarts, replacements) inherit the parsed files.
+    The engines of a start are forked before: a failing cell's error costs them that once (the
+    errors of a recovery's cut are not formatted: see ``recovery.errors_after_a_cut_unformatted``)."""
     global _error_reports_warm
     import sys
 
@@ -230,47 +227,6 @@ def warm_up_error_reports() -> None:
 
 def error_reports_warm() -> bool:
     return _error_reports_warm
-
-
-class _IdleWatch:
-    """When the engine last ended a cell, and whether it runs one now (IPython's cell events)."""
-
-    def __init__(self) -> None:
-        self.running = False
-        self.ended_at = time.monotonic()
-
-    def started(self, info) -> None:
-        self.running = True
-
-    def ended(self, result) -> None:
-        self.running = False
-        self.ended_at = time.monotonic()
-
-    def idle_for(self) -> float:
-        return 0.0 if self.running else time.monotonic() - self.ended_at
-
-
-def _warm_up_after_the_first_cell(result) -> None:
-    """Once, after the engine's first cell (off its start-up), and then only once the engine has
-    been idle a while: formatting takes the interpreter's lock in turns with the main thread,
-    which would slow the cells that follow."""
-    from IPython import get_ipython
-
-    events = get_ipython().events
-    events.unregister("post_run_cell", _warm_up_after_the_first_cell)
-    watch = _IdleWatch()
-    events.register("pre_run_cell", watch.started)
-    events.register("post_run_cell", watch.ended)
-
-    def when_idle() -> None:
-        while watch.idle_for() < WARM_UP_WHEN_IDLE_SECONDS:
-            time.sleep(WARM_UP_WHEN_IDLE_SECONDS / 4)
-        events.unregister("pre_run_cell", watch.started)
-        events.unregister("post_run_cell", watch.ended)
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only (Linux)
-        warm_up_error_reports()
-
-    threading.Thread(target=when_idle, name="ddp_magics warm-up", daemon=True).start()
 
 
 def rejoin_process_group(setup: RankSetup) -> Rejoined:

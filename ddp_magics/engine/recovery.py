@@ -73,6 +73,7 @@ def start_connection_cutter() -> None:
 
 
 def _serve() -> None:
+    global _cut_since_the_cell_began
     signal.pthread_sigmask(signal.SIG_BLOCK, {CUT_CONNECTIONS_SIGNAL})
     while True:
         select.select([_read_end], [], [])
@@ -80,7 +81,37 @@ def _serve() -> None:
             if not _drain():
                 continue  # the main thread, beginning to form groups, took (and answered) it
             if not _forming:
+                _cut_since_the_cell_began = True
                 cut_connections()
+
+
+# Set by a cut, cleared as a cell begins: the running cell's error, if it ends in one, is the
+# cut's doing, and nobody reads it (the notebook reports a released or recovered rank by where
+# it waited). Formatting it would cost each rank up to a second of CPU the first time IPython
+# reads torch.distributed's files, which 32 ranks on 2 cores pay as the recovery waits for them.
+_cut_since_the_cell_began = False
+
+
+def errors_after_a_cut_unformatted(shell) -> None:
+    """Once per engine: while a cut has happened since the running cell began, the cell's error
+    is shown as its one last line instead of a formatted traceback."""
+    formatter = shell.InteractiveTB
+    if getattr(formatter, "_ddp_magics_full", None) is not None:
+        return
+    full = formatter.structured_traceback
+
+    def structured_traceback(etype, evalue, *args, **kwargs):
+        if _cut_since_the_cell_began:
+            return [f"{etype.__name__}: {evalue} (ended by a recovery's cut; traceback not formatted)"]
+        return full(etype, evalue, *args, **kwargs)
+
+    def cell_begins(info) -> None:
+        global _cut_since_the_cell_began
+        _cut_since_the_cell_began = False
+
+    formatter._ddp_magics_full = full
+    formatter.structured_traceback = structured_traceback
+    shell.events.register("pre_run_cell", cell_begins)
 
 
 def _drain() -> bool:
