@@ -68,58 +68,76 @@ def test_14_predict_bytes_must_follow_fully_shard(ip, lesson_ranks, wrong):
     assert_checker(ip, LESSON, 1, PREDICT_WRONG[wrong], WORLD)
 
 
-# exercise 2: blocks first, then the root; every block resharded after forward but the last
+# exercise 2: a group per block but the last; the last block and the head in one group, kept after forward
 
 SHARD_WRONG = {
-    "every block resharded (the lesson's shard_per_block)": """
+    "every block resharded, the head in the root's group (the lesson's shard_per_block)": """
 def shard_keep_last(model):
     return shard_per_block(model)
+""",
+    "the last block kept in a group of its own, the head in the root's group": """
+def shard_keep_last(model):
+    blocks = list(model)[:-1]
+    for i, block in enumerate(blocks):
+        fully_shard(block, mesh=mesh, reshard_after_forward=i < len(blocks) - 1)
+    fully_shard(model, mesh=mesh)
+    return model
+""",
+    "the last block and the head in one group, but resharded after forward": """
+def shard_keep_last(model):
+    *blocks, last, head = model
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard([last, head], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+""",
+    "the last block and the head kept, but as two groups": """
+def shard_keep_last(model):
+    *blocks, last, head = model
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(last, mesh=mesh, reshard_after_forward=False)
+    fully_shard(head, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh)
+    return model
+""",
+    "every group kept after forward": """
+def shard_keep_last(model):
+    *blocks, last, head = model
+    for block in blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=False)
+    fully_shard([last, head], mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh)
+    return model
 """,
     "the whole model only (one group)": """
 def shard_keep_last(model):
     fully_shard(model, mesh=mesh)
     return model
 """,
-    "the blocks only (each its own root)": """
+    "no root (each group its own root)": """
 def shard_keep_last(model):
-    for block in list(model)[:-1]:
+    *blocks, last, head = model
+    for block in blocks:
         fully_shard(block, mesh=mesh)
+    fully_shard([last, head], mesh=mesh, reshard_after_forward=False)
     return model
 """,
     "top-down (the root first)": """
 def shard_keep_last(model):
     fully_shard(model, mesh=mesh)
-    for block in list(model)[:-1]:
+    *blocks, last, head = model
+    for block in blocks:
         fully_shard(block, mesh=mesh)
-    return model
-""",
-    "every block kept after forward": """
-def shard_keep_last(model):
-    for block in list(model)[:-1]:
-        fully_shard(block, mesh=mesh, reshard_after_forward=False)
-    fully_shard(model, mesh=mesh)
-    return model
-""",
-    "the first block kept instead of the last": """
-def shard_keep_last(model):
-    for i, block in enumerate(list(model)[:-1]):
-        fully_shard(block, mesh=mesh, reshard_after_forward=i > 0)
-    fully_shard(model, mesh=mesh)
-    return model
-""",
-    "the head sharded as a group of its own": """
-def shard_keep_last(model):
-    blocks = list(model)[:-1]
-    for i, block in enumerate(blocks):
-        fully_shard(block, mesh=mesh, reshard_after_forward=i < len(blocks) - 1)
-    fully_shard(model[-1], mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    fully_shard([last, head], mesh=mesh, reshard_after_forward=False)
     return model
 """,
     "two blocks in one group": """
 def shard_keep_last(model):
     fully_shard([model[0], model[1]], mesh=mesh)
-    fully_shard(model[2], mesh=mesh, reshard_after_forward=False)
+    fully_shard(model[2], mesh=mesh)
+    fully_shard([model[3], model[4]], mesh=mesh, reshard_after_forward=False)
     fully_shard(model, mesh=mesh)
     return model
 """,
@@ -127,13 +145,13 @@ def shard_keep_last(model):
 
 
 @pytest.mark.parametrize("wrong", list(SHARD_WRONG))
-def test_14_shard_keep_last_must_group_and_keep_the_last_block(ip, lesson_ranks, wrong):
+def test_14_shard_keep_last_must_group_the_last_block_with_the_head_and_keep_it(ip, lesson_ranks, wrong):
     assert_checker(ip, LESSON, 2, SHARD_WRONG[wrong], WORLD)
 
 
 def test_14_run_all_checks_the_learners_answers(ip, lesson_ranks):
     wrong = {
         1: PREDICT_WRONG["balanced rows (divmod), not torch.chunk's ceil-sized ones"],
-        2: SHARD_WRONG["every block resharded (the lesson's shard_per_block)"],
+        2: SHARD_WRONG["every block resharded, the head in the root's group (the lesson's shard_per_block)"],
     }
     assert_run_all(ip, LESSON, wrong, WORLD)
