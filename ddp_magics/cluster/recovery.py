@@ -19,9 +19,9 @@ from ddp_magics.stacks import Frame, cell_frames, formatting_an_error, in_a_coll
 if TYPE_CHECKING:
     from ddp_magics.cluster.rank_cluster import Progress, RankCluster
 
-# After their connections are cut, ranks blocked in a collective end within milliseconds (their
-# error is not formatted: see engine.recovery); a rank still running after this is running Python
-# (or C code) of its own, and is interrupted.
+# After their connections are cut, ranks blocked in a collective end within milliseconds each
+# (their error is not formatted: see engine.recovery), one after another on a loaded machine; once
+# none has ended for this long, a rank still running is running Python (or C code) of its own.
 CUT_WAIT_SECONDS = 1.0
 # How long, at least, ranks that show they are ending (unwinding, showing an error) or that give no
 # sign (a stack dump that does not come on a loaded machine) are waited for; a second more for each
@@ -120,7 +120,7 @@ def _stop_the_cell(
     """After the cut: the ranks still running the ``unfinished`` cell are cut again (if still in
     a collective) or interrupted (if running the cell's code), then waited for while they show
     they are ending; the ranks interrupted."""
-    busy = unfinished.pending_among(alive, CUT_WAIT_SECONDS)
+    busy = _pending_once_none_ends(unfinished, alive, CUT_WAIT_SECONDS)
     if not busy:
         return []
     stacks = {rank: parse_stack_dump(dump.stack) for rank, dump in cluster.inspect(unfinished, busy).items()}
@@ -131,7 +131,7 @@ def _stop_the_cell(
     blocked = [rank for rank in busy if rank in stacks and in_a_collective(stacks[rank])]
     if blocked:
         cluster.signal(protocol.CUT_CONNECTIONS_SIGNAL, blocked, timeout=answer_seconds)
-        still = unfinished.pending_among(blocked, CUT_WAIT_SECONDS)
+        still = _pending_once_none_ends(unfinished, blocked, CUT_WAIT_SECONDS)
         busy = [rank for rank in busy if rank not in blocked or rank in still]
     # A rank whose collective the cut ended may be unwinding or showing its error (slow on a
     # loaded machine): its stack says so, and it is left to finish.
@@ -144,6 +144,18 @@ def _stop_the_cell(
     if stuck:
         _wait_for_far_answers(cluster, unfinished, stuck, time.monotonic() - started, progress)
     return interrupted
+
+
+def _pending_once_none_ends(run: CellAnswers, ranks: list[int], quiet: float) -> list[int]:
+    """Those of ``ranks`` still running ``run`` once none of them has ended for ``quiet``
+    seconds (at once if all have)."""
+    busy = run.pending_among(ranks, 0.0)
+    while busy:
+        still = run.pending_among(busy, quiet)
+        if len(still) == len(busy):
+            return still
+        busy = still
+    return busy
 
 
 def _ending(threads: list[list[Frame]]) -> bool:
