@@ -3,7 +3,8 @@
 As in tests/test_checkers.py: on a real gloo cluster of 2 ranks, with the lesson's set-up cell run on every
 rank (``TinyLM``, ``Block``, ``TP_PLAN``, the imports; it builds no mesh, so two ranks do), the lesson's own
 checker cell runs after a wrong solution (every rank must print ``not yet``) and after the lesson's reference
-solution (every rank ``pass``). Exercise 2's checker splits a block over a 1-D mesh of the 2 ranks.
+solution (every rank ``pass``). Exercise 2's checker splits a block over a 1-D mesh of the 2 ranks, each with
+half of the sequence.
 """
 
 from __future__ import annotations
@@ -55,34 +56,52 @@ def test_19_state_bytes_must_follow_the_formula(ip, lesson_ranks, wrong):
     assert_checker(ip, LESSON, 1, STATE_WRONG[wrong], WORLD)
 
 
-# exercise 2: a block's TP plan, two all-reduces in forward
+# exercise 2: a sequence-parallel plan for a block (input and output this rank's tokens, no all-reduce)
+
+SP_IMPORTS = """
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
+"""
 
 PLAN_WRONG = {
-    "everything column-wise": """
-block_plan = {name: ColwiseParallel() for name in ("attn.q", "attn.k", "attn.v", "attn.out", "up", "down")}
+    "the lesson's TP_PLAN (inputs taken as replicated: all-reduces, attention over my tokens only)": """
+sp_block_plan = dict(TP_PLAN)
 """,
-    "the MLP only (attention whole)": """
-block_plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+    "norms left plain (their weights' gradients never summed over the ranks)": SP_IMPORTS + """
+sp_block_plan = {
+    "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+    "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+    "attn.out": RowwiseParallel(output_layouts=Shard(1)),
+    "up": ColwiseParallel(input_layouts=Shard(1)),
+    "down": RowwiseParallel(output_layouts=Shard(1)),
+}
 """,
-    "attention's output column-wise, the MLP row-wise first": """
-block_plan = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
-              "attn.out": ColwiseParallel(), "up": RowwiseParallel(), "down": ColwiseParallel()}
+    "row-parallel outputs all-reduced (Replicate), not reduce-scattered": SP_IMPORTS + """
+sp_block_plan = {
+    "norm1": SequenceParallel(),
+    "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+    "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+    "attn.out": RowwiseParallel(),
+    "norm2": SequenceParallel(),
+    "up": ColwiseParallel(input_layouts=Shard(1)),
+    "down": RowwiseParallel(),
+}
 """,
-    "q, k, v row-wise": """
-block_plan = {"attn.q": RowwiseParallel(), "attn.k": RowwiseParallel(), "attn.v": RowwiseParallel(),
-              "attn.out": ColwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()}
+    "the MLP only, attention left whole": SP_IMPORTS + """
+sp_block_plan = {"norm2": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
+                 "down": RowwiseParallel(output_layouts=Shard(1))}
 """,
 }
 
 
 @pytest.mark.parametrize("wrong", list(PLAN_WRONG))
-def test_19_block_plan_must_make_two_all_reduces(ip, lesson_ranks, wrong):
+def test_19_sp_block_plan_must_shard_the_sequence(ip, lesson_ranks, wrong):
     assert_checker(ip, LESSON, 2, PLAN_WRONG[wrong], WORLD)
 
 
 def test_19_run_all_checks_the_learners_answers(ip, lesson_ranks):
     wrong = {
         1: STATE_WRONG["everything divided by dp * tp"],
-        2: PLAN_WRONG["the MLP only (attention whole)"],
+        2: PLAN_WRONG["norms left plain (their weights' gradients never summed over the ranks)"],
     }
     assert_run_all(ip, LESSON, wrong, WORLD)
