@@ -24,9 +24,26 @@ MAKERS = (
     ("torch.distributed._functional_collectives", "functional collectives"),
     ("torch.distributed.device_mesh", "DeviceMesh"),
 )
+# Installed packages whose frames never name a call's maker: torch itself and what runs a cell.
+NOT_LIBRARIES = frozenset(
+    {"torch", "IPython", "ipykernel", "ipyparallel", "ddp_magics", "traitlets", "tornado", "zmq"}
+)
 # Modules under the makers' that only watch calls, as this tracer does.
 OBSERVERS = ("torch.distributed.tensor.debug",)
 DDP_PHASES = {"__init__": "DDP construction", "forward": "DDP forward"}
+# Makers that own their calls (another library using them is not named): the rest of torch's
+# (DTensor, the helpers) are named with the installed library whose frame used them, if any.
+TRAINING_LIBRARIES = frozenset(
+    {
+        "DDP",
+        *DDP_PHASES.values(),
+        "FSDP",
+        "pipelining",
+        "ZeroRedundancyOptimizer",
+        "distributed checkpoint",
+        "DDP communication hook",
+    }
+)
 _API_MODULE = "torch.distributed.distributed_c10d"
 _AUTOGRAD_MODULE = "torch.autograd"
 
@@ -51,9 +68,13 @@ class CallSites:
             known = self._sites[key] = ([frame.f_code for frame in frames], _call_site(frames, in_cell))
         return frames, known[1]
 
-    def maker(self, site: CallSite, spec: C10dOp, count: bool = True) -> str | None:
+    def maker(self, site: CallSite, spec: C10dOp, frames: list, count: bool = True) -> str | None:
         """Who made the call, if not the cell through torch.distributed's functions. ``count``:
-        a DDP bucket's call is counted as its backward pass's next one."""
+        a DDP bucket's call is counted as its backward pass's next one. A call that an installed
+        library made (transformers' tensor-parallel plan, accelerate) is named by that library's
+        frame (``transformers/distributed/tensor_parallel.py:297``), also when it went through
+        torch's own means (``DTensor from transformers/...:354``, ``broadcast_object_list from
+        accelerate/...``); a training library of torch's (DDP, FSDP) is named as itself."""
         if site.maker is None and site.from_engine and spec.op == "all_reduce":
             # No Python between the autograd engine and the call: DDP's reducer, which reduces
             # its buckets in order, one all_reduce each, in every backward pass. (torch has no
@@ -63,6 +84,10 @@ class CallSites:
             if count:
                 self._buckets[graph_task] = bucket + 1
             return f"DDP bucket {bucket}"
+        if site.library_frame is not None and site.maker not in TRAINING_LIBRARIES:
+            frame = frames[site.library_frame]
+            where = f"{_roles[frame.f_code][3]}:{frame.f_lineno}"
+            return where if site.maker is None else f"{site.maker} from {where}"
         return site.maker
 
     def forget_paths(self) -> None:
@@ -96,6 +121,7 @@ class CallSite(NamedTuple):
     maker: str | None  # the library (the outermost one) or torch.distributed helper that made it
     from_engine: bool  # called from the autograd engine with no Python in between
     cell_frame: int | None  # which frame holds the cell's line (in the cell or a function it defines)
+    library_frame: int | None = None  # the innermost frame of an installed library other than torch
 
     def line(self, frames: list) -> int | None:
         """The line of the running cell that led to the call."""
@@ -103,9 +129,11 @@ class CallSite(NamedTuple):
 
 
 def _call_site(frames: list, in_cell: bool) -> CallSite:
-    api = maker = None
+    api = maker = library_frame = None
     roles = [_role(frame.f_code, frame.f_globals) for frame in frames]
-    for name, library, helper in roles:  # innermost first: the outermost found wins
+    for index, (name, library, helper, installed) in enumerate(roles):  # innermost first: the outermost wins
+        if installed is not None and library_frame is None:
+            library_frame = index
         api = name or api  # the deprecated all_gather_into_tensor forwards to all_gather_single
         if library is not None:
             maker = library
@@ -115,17 +143,20 @@ def _call_site(frames: list, in_cell: bool) -> CallSite:
     if in_cell:
         cell_file = frames[-1].f_code.co_filename
         cell_frame = next(i for i, frame in enumerate(frames) if frame.f_code.co_filename == cell_file)
-    return CallSite(api, maker, bool(roles) and roles[0][2] == _ENGINE_CALL, cell_frame)
+    if cell_frame is not None and library_frame is not None and library_frame > cell_frame:
+        library_frame = None  # the cell called torch; a library called the cell (a trainer's loop)
+    return CallSite(api, maker, bool(roles) and roles[0][2] == _ENGINE_CALL, cell_frame, library_frame)
 
 
 _ENGINE_CALL = "autograd engine"
 _roles: dict = {}  # code object -> its role (what a traced call made from it says)
 
 
-def _role(code, globals_: dict) -> tuple[str | None, str | None, str | None]:
+def _role(code, globals_: dict) -> tuple[str | None, str | None, str | None, str | None]:
     """(the torch.distributed function it is, if one the trace names; the library it belongs
     to, if one that makes calls; torch.distributed's helper it is, or the autograd engine's
-    call), cached per code object: frames are read for every traced call."""
+    call; its file under site-packages if an installed library's other than torch's), cached per
+    code object: frames are read for every traced call."""
     role = _roles.get(code)
     if role is None:
         module = globals_.get("__name__", "")
@@ -139,5 +170,16 @@ def _role(code, globals_: dict) -> tuple[str | None, str | None, str | None]:
                 library = DDP_PHASES.get(code.co_name, label) if label == "DDP" else label
         if module.startswith(OBSERVERS):
             library = None  # a tool that watches the calls (CommDebugMode re-makes each one)
-        role = _roles[code] = (api, library, helper)
+        role = _roles[code] = (api, library, helper, _installed_file(code.co_filename, module))
     return role
+
+
+def _installed_file(filename: str, module: str) -> str | None:
+    """``transformers/distributed/tensor_parallel.py`` for a file of an installed library that
+    is not torch's nor one of the notebook machinery's; None otherwise."""
+    if module.split(".")[0] in NOT_LIBRARIES:
+        return None
+    for packages in ("/site-packages/", "/dist-packages/"):
+        if packages in filename:
+            return filename.rpartition(packages)[2]
+    return None

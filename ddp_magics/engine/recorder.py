@@ -214,7 +214,7 @@ class Tracer:
         op = api or spec.op
         group = self._group(self._dist.ProcessGroup.unbox(args[spec.group]))
         inputs = args[spec.inputs] if spec.inputs is not None else ()
-        made_by = self._call_sites.maker(site, spec, count=not in_flight)
+        made_by = self._call_sites.maker(site, spec, frames, count=not in_flight)
         if made_by is not None and spec.op == "irecv":
             before = ()  # a library's receive buffer, made for it: what it held says nothing
         event = TraceEvent(
