@@ -1,6 +1,7 @@
 """Chrome-trace JSON (the format Perfetto, ``chrome://tracing`` and HTA read): one process per
 rank, named ``rank N``, one thread per kind of work, each range a complete (``"X"``) event with
-times in microseconds. Used by ``Trace.save`` and ``Profile.save``."""
+times in microseconds, as one file or one file per rank. Used by ``Trace.save`` and
+``Profile.save``."""
 
 from __future__ import annotations
 
@@ -48,12 +49,27 @@ class ChromeTrace:
             }
         )
 
-    def save(self, path, other: dict | None = None) -> Path:
+    def save(self, path, other: dict | None = None, ranks: dict[int, dict] | None = None) -> Path:
+        """``path`` a ``.json`` file: one file, every rank a process. Otherwise a directory (made
+        if needed): one file per rank, ``rank_N.json``, with the ``distributedInfo`` the
+        profiler's own per-rank export has (``ranks[N]``: its rank, world size and backend), as
+        HTA's ``TraceAnalysis(trace_dir=...)`` and Perfetto's multi-file view read them."""
         path = Path(path)
-        document = {
-            "traceEvents": self.events,
+        if path.suffix == ".json" and not path.is_dir():
+            path.write_text(json.dumps(self._document(self.events, other)))
+            return path
+        path.mkdir(parents=True, exist_ok=True)
+        for rank, info in (ranks or {}).items():
+            events = [event for event in self.events if event.get("pid") == rank]
+            document = self._document(events, other)
+            document["distributedInfo"] = info
+            (path / f"rank_{rank}.json").write_text(json.dumps(document))
+        return path
+
+    def _document(self, events: list[dict], other: dict | None) -> dict:
+        return {
+            "traceEvents": events,
             "displayTimeUnit": "ms",
+            "baseTimeNanoseconds": round(self.origin * 1e9),
             "otherData": {"origin_epoch_seconds": self.origin, **(other or {})},
         }
-        path.write_text(json.dumps(document))
-        return path

@@ -51,7 +51,9 @@ class Trace(MatchedTrace):
 
     def save(self, path) -> Path:
         """Chrome-trace JSON (Perfetto, ``chrome://tracing``, HTA): one process per rank named
-        ``rank N``, each call a slice from its start to its end, its arguments as the slice's."""
+        ``rank N``, each call a slice from its start to its end, its arguments as the slice's.
+        ``path``: a ``.json`` file, every rank in it; or a directory, one file per rank with
+        its ``distributedInfo`` (rank, world size, backend), as HTA's ``TraceAnalysis`` reads."""
         return save_trace(self, path)
 
 
@@ -63,7 +65,13 @@ def save_trace(trace: MatchedTrace, path) -> Path:
         for event in events:
             end = event.end if event.end is not None else max(event.start, chrome.origin)
             chrome.slice(rank, "calls", event.what(), event.start, end, "communication", _event_args(event))
-    return chrome.save(path, {"source": "ddp_magics --trace"})
+    events = [event for rank_events in trace.events.values() for event in rank_events]
+    world = max((rank for event in events for rank in (event.rank, *event.group)), default=-1) + 1
+    backends = {
+        rank: next((e.backend for e in trace.events[rank] if e.backend), "unknown") for rank in trace.events
+    }
+    ranks = {rank: {"rank": rank, "world_size": world, "backend": backends[rank]} for rank in trace.events}
+    return chrome.save(path, {"source": "ddp_magics --trace"}, ranks)
 
 
 def _event_args(event: TraceEvent) -> dict:

@@ -109,13 +109,16 @@ class Profile:
 
     def save(self, path) -> Path:
         """Chrome-trace JSON: one process per rank named ``rank N``, its threads as the profiler
-        saw them, communication named as ``--trace`` names it."""
+        saw them, each range under the profiler's name (``gloo:all_reduce``, ``aten::addmm``),
+        communication's call as ``--trace`` names it in its ``args``. ``path``: a ``.json``
+        file, every rank in it; or a directory, one file per rank with its ``distributedInfo``
+        (rank, world size, backend), which HTA's ``TraceAnalysis(trace_dir=path)`` reads."""
         chrome = ChromeTrace(self.origin)
         for rank, spans in self.spans.items():
             chrome.rank(rank)
             for span in spans:
                 thread = f"{span.device} {span.kind} (thread {span.thread})"
-                args = {"profiler_name": span.name}
+                args = {}
                 if span.label:
                     args["call"] = span.label
                 if span.line is not None:
@@ -123,18 +126,17 @@ class Profile:
                 if span.mesh_dim is not None:
                     args["mesh_dim"] = span.mesh_dim
                 chrome.slice(
-                    rank,
-                    thread,
-                    span.label or span.name,
-                    self.origin + span.start,
-                    self.origin + span.end,
-                    span.kind,
-                    args,
+                    rank, thread, span.name, self.origin + span.start, self.origin + span.end, span.kind, args
                 )
         offsets = {str(rank): offset for rank, offset in self.offsets.items()}
         bounds = {str(rank): bound for rank, bound in self.offset_bounds.items()}
         other = {"clock_offsets_seconds": offsets, "clock_offset_bounds_seconds": bounds}
-        return chrome.save(path, {"source": "ddp_magics --profile", **other})
+        world = max((p.world_size or 0 for p in self.profiles.values()), default=0) or len(self.profiles)
+        ranks = {
+            rank: {"rank": rank, "world_size": world, "backend": profile.backend or "unknown"}
+            for rank, profile in self.profiles.items()
+        }
+        return chrome.save(path, {"source": "ddp_magics --profile", **other}, ranks)
 
     def _repr_pretty_(self, printer, cycle: bool) -> None:
         printer.text(self.text())

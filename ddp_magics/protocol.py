@@ -187,6 +187,7 @@ class TraceEvent:
     made_by: str | None = None
     # The DeviceMesh dimension whose group it ran on ("tp", "dp"), if a mesh made the group.
     mesh_dim: str | None = None
+    backend: str | None = None  # the group's ("gloo", "nccl")
 
     @property
     def is_collective(self) -> bool:
@@ -324,6 +325,8 @@ class RankProfile:
     activities: tuple[str, ...] = ("cpu",)
     left_out: int = 0  # slices beyond the limit
     error: str | None = None  # why nothing was recorded
+    backend: str | None = None  # the default group's ("gloo", "nccl")
+    world_size: int | None = None
 
 
 @dataclass(frozen=True)

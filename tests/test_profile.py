@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
@@ -87,12 +88,29 @@ def check_ddp_cell(ip, world, tmp_path):
         rank: [
             e
             for e in slices
-            if e["pid"] == rank and e["cat"] == COMMUNICATION and "DDP bucket 0" in e["name"]
+            if e["pid"] == rank and e["cat"] == COMMUNICATION and "DDP bucket 0" in e["args"].get("call", "")
         ]
         for rank in range(world)
     }
     first = [events[0] for events in reduces.values()]  # one clock in the file too
     assert max(e["ts"] for e in first) <= min(e["ts"] + e["dur"] for e in first)
+    # The backend's own names stay, for the tools that look for them; ours are in args.
+    assert {e["name"] for e in first} == {"gloo:all_reduce"}
+    check_per_rank_files(profile, tmp_path / "profile", world)
+
+
+def check_per_rank_files(saved, directory, world):
+    """A directory: one file per rank with distributedInfo, which HTA loads as every rank."""
+    saved.save(directory)
+    for rank in range(world):
+        document = json.loads((directory / f"rank_{rank}.json").read_text())
+        assert document["distributedInfo"] == {"rank": rank, "world_size": world, "backend": "gloo"}
+        assert {e["pid"] for e in document["traceEvents"]} == {rank}
+    hta = pytest.importorskip("hta.trace_analysis")
+    analysis = hta.TraceAnalysis(trace_dir=str(directory))
+    assert sorted(analysis.t.get_ranks()) == list(range(world))
+    names = analysis.t.symbol_table.get_sym_table()
+    assert any(name.startswith("gloo:") or name.startswith("all_reduce") for name in names)
 
 
 def test_results_equal_with_and_without_profile(ip, cluster):
@@ -118,6 +136,7 @@ def test_trace_save(ip, cluster, tmp_path):
     assert calls[0]["args"]["before"] == "[1.0]" and calls[0]["args"]["after"] == "[3.0]"
     assert calls[1]["args"]["call"] == "broadcast from rank 1 on ranks 0,1"
     assert calls[0]["dur"] >= 0 and calls[1]["ts"] >= calls[0]["ts"]
+    check_per_rank_files(ip.user_ns["tr"], tmp_path / "trace", 2)
 
 
 def test_raising_cell_keeps_its_profile(ip, healthy):

@@ -42,7 +42,11 @@ class CellProfiler:
         import torch
         from torch.profiler import ProfilerActivity, profile
 
-        self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        dist = torch.distributed
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = (
+            (str(dist.get_backend()), dist.get_world_size()) if dist.is_initialized() else (None, None)
+        )
         activities = [ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(ProfilerActivity.CUDA)
@@ -96,7 +100,15 @@ class CellProfiler:
             ((name, calls, ns / 1e9) for name, (calls, ns) in self_times.items()), key=lambda op: -op[2]
         )
         return RankProfile(
-            self.rank, tuple(slices), tuple(top[:TOP_OPS]), origin, last, self.activities, left_out
+            self.rank,
+            tuple(slices),
+            tuple(top[:TOP_OPS]),
+            origin,
+            last,
+            self.activities,
+            left_out,
+            backend=self.world[0],
+            world_size=self.world[1],
         )
 
 

@@ -229,6 +229,7 @@ class Tracer:
             made_by=made_by,
             start=started,
             mesh_dim=group[3] if group[3] != "default" else None,
+            backend=group[4],
         )
         if api is not None and spec.async_op is not None:
             # The dispatcher leaves out trailing arguments equal to their default (True here).
@@ -312,9 +313,9 @@ class Tracer:
         event.end = time.time()
         event.status = ERROR
 
-    def _group(self, group) -> tuple[object, tuple[int, ...], str, str | None]:
+    def _group(self, group) -> tuple[object, tuple[int, ...], str, str | None, str]:
         """(group, its global ranks in group-rank order, its name, its DeviceMesh dimension's
-        name if a mesh made it), cached."""
+        name if a mesh made it, its backend), cached."""
         entry = self._groups.get(id(group))
         if entry is None:
             ranks = tuple(self._dist.get_process_group_ranks(group))
@@ -324,7 +325,8 @@ class Tracer:
             named = description.startswith("mesh_") and not UNNAMED_MESH_DIM.fullmatch(description)
             mesh_dim = description.removeprefix("mesh_") if named else None
             # The group object is kept in the entry so that its id is not reused while cached.
-            entry = self._groups[id(group)] = (group, ranks, group.group_name, mesh_dim)
+            backend = str(self._dist.get_backend(group))
+            entry = self._groups[id(group)] = (group, ranks, group.group_name, mesh_dim, backend)
         return entry
 
 
