@@ -2,8 +2,8 @@
 
 As in tests/test_checkers.py: on a real gloo cluster, the lesson's own checker cell runs after a wrong
 solution (every rank must print "not yet") and after the lesson's reference solution (every rank "pass"). The
-checkers need nothing from the lesson's earlier cells (the first tests a formula, the second builds its own
-model and stages), so two ranks are enough.
+checkers need nothing from the lesson's earlier cells (each builds its own model and stages: the first runs
+``Schedule1F1B`` to compare its order with the prediction), so two ranks are enough.
 """
 
 from __future__ import annotations
@@ -15,54 +15,64 @@ from tests.test_checkers import assert_checker, assert_run_all, check
 LESSON = "16_pipeline_parallel"
 WORLD = 2
 
-# exercise 1: the smallest number of micro-batches whose bubble (p-1)/(m+p-1) is at most the target
+# exercise 1: the order of a stage's forwards and backwards under Schedule1F1B, for any m
 
-MICROBATCHES_WRONG = {
-    "one micro-batch per stage (m = p)": """
-def microbatches_for_bubble(p, target):
-    return p
+ORDER_WRONG = {
+    "GPipe's order (all forwards, then all backwards)": """
+def order_1f1b(p, s, m):
+    return " ".join([f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)])
 """,
-    "the bubble taken as (p-1)/m": """
-import math
-
-
-def microbatches_for_bubble(p, target):
-    return max(1, math.ceil((p - 1) / target))
+    "a warm-up of p - s - 1 forwards": """
+def order_1f1b(p, s, m):
+    warmup = max(1, p - s - 1)
+    words = [f"F{i}" for i in range(warmup)]
+    for i in range(m - warmup):
+        words += [f"B{i}", f"F{warmup + i}"]
+    return " ".join(words + [f"B{i}" for i in range(m - warmup, m)])
 """,
-    "rounded to the nearest, not up": """
-def microbatches_for_bubble(p, target):
-    return max(1, round((p - 1) / target - (p - 1)))
+    "the stages reversed (a warm-up of s + 1 forwards)": """
+def order_1f1b(p, s, m):
+    warmup = s + 1
+    words = [f"F{i}" for i in range(warmup)]
+    for i in range(m - warmup):
+        words += [f"B{i}", f"F{warmup + i}"]
+    return " ".join(words + [f"B{i}" for i in range(m - warmup, m)])
 """,
-    "one more than needed": """
-def microbatches_for_bubble(p, target):
-    m = 1
-    while (p - 1) / (m + p - 1) > target:
-        m += 1
-    return m + 1
+    "one forward, then one backward, after the warm-up": """
+def order_1f1b(p, s, m):
+    warmup = p - s
+    words = [f"F{i}" for i in range(warmup)]
+    for i in range(m - warmup):
+        words += [f"F{warmup + i}", f"B{i}"]
+    return " ".join(words + [f"B{i}" for i in range(m - warmup, m)])
 """,
-    "a float, not a count": """
-def microbatches_for_bubble(p, target):
-    return max(1.0, (p - 1) / target - (p - 1))
+    "the cool-down's backwards forgotten": """
+def order_1f1b(p, s, m):
+    warmup = p - s
+    words = [f"F{i}" for i in range(warmup)]
+    for i in range(m - warmup):
+        words += [f"B{i}", f"F{warmup + i}"]
+    return " ".join(words)
 """,
 }
 
 
-@pytest.mark.parametrize("wrong", list(MICROBATCHES_WRONG))
-def test_16_microbatches_must_be_the_smallest_under_the_target(ip, cluster, wrong):
-    assert_checker(ip, LESSON, 1, MICROBATCHES_WRONG[wrong], WORLD)
+@pytest.mark.parametrize("wrong", list(ORDER_WRONG))
+def test_16_order_must_be_what_schedule_1f1b_runs(ip, cluster, wrong):
+    assert_checker(ip, LESSON, 1, ORDER_WRONG[wrong], WORLD)
 
 
-def test_16_a_closed_form_answer_passes(ip, cluster):
-    """The float formula ceil((p-1)(1-t)/t) is right away from the boundary, where the checker asks (issue 41:
-    at p = 4, t = 0.2 it said 13 and the checker, in floats, wanted 12)."""
-    closed_form = """
-import math
-
-
-def microbatches_for_bubble(p, target):
-    return max(1, math.ceil((p - 1) * (1 - target) / target))
+def test_16_a_list_of_actions_passes(ip, cluster):
+    """The order given as a list of words instead of one string is accepted."""
+    as_list = """
+def order_1f1b(p, s, m):
+    warmup = p - s
+    words = [f"F{i}" for i in range(warmup)]
+    for i in range(m - warmup):
+        words += [f"B{i}", f"F{warmup + i}"]
+    return words + [f"B{i}" for i in range(m - warmup, m)]
 """
-    assert set(check(ip, LESSON, 1, closed_form, WORLD).values()) == {"pass"}
+    assert set(check(ip, LESSON, 1, as_list, WORLD).values()) == {"pass"}
 
 
 # exercise 2: this rank's PipelineStage, its contiguous share of the blocks
@@ -114,7 +124,7 @@ def test_16_my_stage_must_be_this_ranks_contiguous_blocks(ip, cluster, wrong):
 
 def test_16_run_all_checks_the_learners_answers(ip, cluster):
     wrong = {
-        1: MICROBATCHES_WRONG["the bubble taken as (p-1)/m"],
+        1: ORDER_WRONG["the stages reversed (a warm-up of s + 1 forwards)"],
         2: STAGE_WRONG["the blocks dealt round-robin (rank, rank + world_size)"],
     }
     assert_run_all(ip, LESSON, wrong, WORLD)
