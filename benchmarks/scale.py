@@ -100,7 +100,7 @@ def measure(shell: InteractiveShell, n: int, cells: int) -> dict[str, float]:
         got["next cell"] = check_next_cell(shell, n, "%dist_recover")
 
         elapsed, (error, _) = timed(lambda: run(shell, RAISE))
-        if error is None or magics._unfinished is not None:
+        if error is None or magics.cluster.busy_ranks():
             raise Failed(f"the raise did not release the others: {error}")
         got["raise -> end"] = elapsed
         got["next cell after release"] = check_next_cell(shell, n, "the release")

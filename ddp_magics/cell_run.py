@@ -16,7 +16,6 @@ import time
 from collections.abc import Generator
 from dataclasses import dataclass, field
 
-from ddp_magics.cluster.engines import CellAnswers
 from ddp_magics.cluster.rank_cluster import RankCluster
 from ddp_magics.cluster.records import ClusterError, RankFailure, RankOutput, Recovery
 from ddp_magics.diagrams import Trace
@@ -31,6 +30,8 @@ LIVE_REFRESH_SECONDS = 0.5
 OUTPUT_ARRIVAL_SECONDS = 5.0
 # A finished rank's trace is sent as its cell ends; its reply can overtake it by milliseconds.
 TRACE_ARRIVAL_SECONDS = 2.0
+# As a rank first stops in pdb, how long the others get to say where they are.
+PROMPT_INSPECT_SECONDS = 1.0
 # Why the wait for the ranks ended.
 DONE, TIMEOUT, AFTER_ERROR, INTERRUPTED = "done", "timeout", "error", "interrupt"
 
@@ -129,20 +130,20 @@ class CellRun:
         self._offsets = cluster.clock_offsets(ranks) if profiled else {}
         self._no_input = not input_allowed
         self._quitting: set[int] = set()  # ranks sent q by the stop button at their prompt
-        self.answers: CellAnswers = cluster.run_cell(cell, ranks, cell_number, trace_values_limit, profiled)
+        cluster.run_cell(cell, ranks, cell_number, trace_values_limit, profiled)
 
     def steps(self) -> Generator[Tick | Prompt, str | None, CellOutcome]:
         ended = yield from self._wait()
         return self._outcome(ended)
 
     def _wait(self) -> Generator[Tick | Prompt, str | None, str]:
-        answers, waits = self.answers, self.waits
+        cluster, waits = self.cluster, self.waits
         started = time.monotonic()
         failed_since = None
         last_tick = 0.0
         try:
-            while not answers.wait(POLL_SECONDS):
-                prompt = answers.next_debugger_prompt()
+            while not cluster.wait_for_cell(POLL_SECONDS):
+                prompt = cluster.next_debugger_prompt()
                 if prompt is not None:
                     paused = time.monotonic()
                     yield from self._serve(*prompt)
@@ -151,25 +152,25 @@ class CellRun:
                     failed_since = None if failed_since is None else failed_since + paused
                     continue
                 now = time.monotonic()
-                if failed_since is None and answers.any_failed():
+                if failed_since is None and cluster.cell_failed():
                     failed_since = now
                 if failed_since is not None and (
-                    now - failed_since > waits.error_grace or answers.any_quit_debugging()
+                    now - failed_since > waits.error_grace or cluster.cell_quit_debugging()
                 ):
                     return AFTER_ERROR  # after the grace; at once if a rank quit its debugger
                 if now - started > waits.timeout:
                     return TIMEOUT
                 if now - started > waits.live_view_after and now - last_tick > LIVE_REFRESH_SECONDS:
-                    so_far = answers.collect()
+                    so_far = cluster.cell_answers()
                     yield Tick(so_far.outputs, so_far.pending, now - started)
                     last_tick = now
             return DONE
         except KeyboardInterrupt:
             # A rank whose pdb was just quit ends by itself: an interrupt would cut its error short.
-            pending = [rank for rank in answers.pending_ranks() if rank not in self._quitting]
+            pending = [rank for rank in cluster.busy_ranks() if rank not in self._quitting]
             if pending:
-                self.cluster.interrupt(pending)
-            answers.wait(waits.interrupt_grace)
+                cluster.interrupt(pending)
+            cluster.wait_for_cell(waits.interrupt_grace)
             return INTERRUPTED
 
     def _serve(self, rank: int, prompt) -> Generator[Prompt, str | None, None]:
@@ -189,8 +190,8 @@ class CellRun:
 
     def _where_the_others_are(self, stopped: int) -> dict[str, list[int]]:
         """As a rank first stops in pdb: where the ranks still running are, by place."""
-        others = [rank for rank in self.answers.pending_ranks() if rank != stopped]
-        dumps = self.cluster.inspect(self.answers, others, wait=1.0) if others else {}
+        others = [rank for rank in self.cluster.busy_ranks() if rank != stopped]
+        dumps = self.cluster.inspect(others, wait=PROMPT_INSPECT_SECONDS) if others else {}
         places: dict[str, list[int]] = {}
         for rank in others:
             blocked = BlockedRank.from_dump(rank, dumps[rank].stack if rank in dumps else None, self.cell)
@@ -198,13 +199,13 @@ class CellRun:
         return places
 
     def _outcome(self, ended: str) -> CellOutcome:
-        answers, cluster = self.answers, self.cluster
-        final = answers.collect(output_wait=OUTPUT_ARRIVAL_SECONDS)
+        cluster = self.cluster
+        final = cluster.cell_answers(output_wait=OUTPUT_ARRIVAL_SECONDS)
         pending, failures = final.pending, final.failures
         # A rank that died mid-cell answers with an EngineError; it is reported as dead, not as raising.
         dead = [rank for rank in cluster.dead_ranks() if rank in self.ranks] if pending or failures else []
         alive_pending = [rank for rank in pending if rank not in dead]
-        inspections = cluster.inspect(answers, alive_pending) if alive_pending else {}
+        inspections = cluster.inspect(alive_pending) if alive_pending else {}
         trace = self._trace(pending, dead, inspections) if self.traced else None
         blocked = [
             BlockedRank.from_dump(
@@ -219,7 +220,7 @@ class CellRun:
         released, recovery, release_problem = [], None, None
         if blocked and ended_on_a_rank and not dead and all(rank.in_communication for rank in blocked):
             try:
-                recovery = cluster.recover(answers, interrupt_grace=self.waits.interrupt_grace)
+                recovery = cluster.recover(self.waits.interrupt_grace)
                 released, blocked = blocked, []
             except ClusterError as error:
                 release_problem = str(error)
@@ -255,7 +256,7 @@ class CellRun:
             elif rank in pending or rank in dead:
                 events[rank] = []
             else:
-                events[rank] = self.answers.published(rank, TRACE_KEY, wait=TRACE_ARRIVAL_SECONDS) or []
+                events[rank] = self.cluster.published(rank, TRACE_KEY, wait=TRACE_ARRIVAL_SECONDS) or []
         return Trace(events, complete=not (pending or dead), lost=frozenset(dead))
 
     def _profile(self, pending: list[int], dead: list[int], trace: Trace | None) -> Profile:
@@ -265,7 +266,7 @@ class CellRun:
         for rank in self.ranks:
             answer = None
             if rank not in pending and rank not in dead:
-                answer = self.answers.published(rank, PROFILE_KEY, wait=TRACE_ARRIVAL_SECONDS)
+                answer = self.cluster.published(rank, PROFILE_KEY, wait=TRACE_ARRIVAL_SECONDS)
             if answer is None:
                 missing.append(rank)
             else:

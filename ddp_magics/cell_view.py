@@ -11,7 +11,7 @@ from IPython.display import display
 
 from ddp_magics.cell_run import CellOutcome, Prompt, Tick
 from ddp_magics.cluster.rank_cluster import RankCluster
-from ddp_magics.cluster.records import ClusterError, GroupBroken
+from ddp_magics.cluster.records import ClusterError, GroupBroken, Progress
 from ddp_magics.errors import BROKEN_ADVICE, usage_error
 from ddp_magics.live_view import LiveView
 from ddp_magics.output import live_html, render
@@ -21,7 +21,7 @@ from ddp_magics.reports import no_calls_message
 LIVE_TAIL_LINES = 12
 
 
-def with_progress(magic: str, action: Callable[[Callable[[str], None]], object], shell) -> object:
+def with_progress(magic: str, action: Callable[[Progress], object], shell) -> object:
     """``action(progress)``, showing each step it reports while it runs; a ClusterError becomes
     a one-line error naming ``magic``."""
     live = LiveView(in_kernel(shell))

@@ -16,7 +16,6 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from ddp_magics import arguments, cell_view, reports
 from ddp_magics.cell_run import CellRun, Waits
-from ddp_magics.cluster.engines import CellAnswers
 from ddp_magics.cluster.rank_cluster import RankCluster
 from ddp_magics.cluster.records import BACKENDS, LAUNCHERS, ClusterConfig, ClusterError, DeadRanks, Recovery
 from ddp_magics.cluster.strays import stop_stray_clusters
@@ -37,7 +36,6 @@ class DistributedMagics(Magics, Settings):
         self._config: ClusterConfig | None = None  # the last %dist_start's, for %dist_restart
         self._restart_failed = False  # the last %dist_restart failed, stopping the cluster
         self._last_raised: list[int] = []  # the ranks that raised in the last cell that failed
-        self._unfinished: CellAnswers | None = None  # a cell some ranks still run
         # The last %dist_recover's: per rank, names holding a destroyed group; the ends of the
         # connections it cut (on every rank).
         self._stale: dict[int, tuple[tuple[str, str], ...]] = {}
@@ -81,7 +79,6 @@ class DistributedMagics(Magics, Settings):
         self._config = config
         self.cluster = cluster
         self._restart_failed = False
-        self._unfinished = None
         atexit.register(cluster.stop)
         print(reports.start_summary(cluster))
 
@@ -105,7 +102,6 @@ class DistributedMagics(Magics, Settings):
 
     def _stop_cluster(self) -> None:
         cluster, self.cluster = self.cluster, None
-        self._unfinished = None
         self._stale, self._cut_peers = {}, frozenset()
         if cluster is not None:
             cluster.stop()
@@ -126,7 +122,6 @@ class DistributedMagics(Magics, Settings):
             raise usage_error("No cluster to restart: start one with %dist_start")
         if self.cluster is not None and self.cluster.restartable_in_place:
             # The controller and the zygote stay: only the engines are new.
-            self._unfinished = None
             self._stale, self._cut_peers = {}, frozenset()
             try:
                 cell_view.with_progress("%dist_restart", self.cluster.restart, self.shell)
@@ -165,10 +160,9 @@ class DistributedMagics(Magics, Settings):
         cluster = self.cluster
         done = cell_view.with_progress(
             "%dist_recover",
-            lambda progress: cluster.recover(self._unfinished, args.shrink, self.interrupt_grace, progress),
+            lambda progress: cluster.recover(self.interrupt_grace, args.shrink, progress),
             self.shell,
         )
-        self._unfinished = None
         if done.dropped:
             self._config = dataclasses.replace(self._config, n=done.world_size)
         self._remember_recovery(done)
@@ -244,8 +238,6 @@ class DistributedMagics(Magics, Settings):
             self.shell.user_ns[args.trace] = outcome.trace
         if args.profile is not None:
             self.shell.user_ns[args.profile] = outcome.profile
-        if outcome.blocked:
-            self._unfinished = run.answers
         if outcome.clean:
             return
         self._last_raised = sorted(failure.rank for failure in outcome.failures)
@@ -265,11 +257,9 @@ class DistributedMagics(Magics, Settings):
         dead = self.cluster.dead_ranks() if check_dead else []
         if dead:
             raise self._dead(dead)
-        if self._unfinished is not None:
-            busy = self._unfinished.pending_ranks()
-            if busy:
-                raise usage_error(f"{rank_label(busy)} still running an earlier cell. {RESTART_ADVICE}")
-            self._unfinished = None
+        busy = self.cluster.busy_ranks()
+        if busy:
+            raise usage_error(f"{rank_label(busy)} still running an earlier cell. {RESTART_ADVICE}")
         return self.cluster
 
     # ----------------------------------------------------------------- inspecting
@@ -285,7 +275,7 @@ class DistributedMagics(Magics, Settings):
         parse_argstring(self.dist_status, line)
         if self.cluster is None:
             raise self._no_cluster()
-        busy = self._unfinished.pending_ranks() if self._unfinished else []
+        busy = self.cluster.busy_ranks()
         memory = self.cluster.memory(busy)
         return StatusTable(self.cluster.backend, self.cluster.status(), busy, memory)
 

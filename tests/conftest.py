@@ -60,7 +60,7 @@ def cluster(ip):
 def healthy(ip, cluster):
     """The module's cluster, restarted after a test that left ranks stuck or dead."""
     yield cluster
-    if cluster.cluster is None or cluster.cluster.dead_ranks() or cluster._unfinished is not None:
+    if cluster.cluster is None or cluster.cluster.dead_ranks() or cluster.cluster.busy_ranks():
         with capture_output():
             ip.run_line_magic("dist_restart", "")
 

@@ -178,7 +178,7 @@ def test_32_threads_of_a_hung_rank_reach_the_notebook_whole(ip, healthy):
     assert isinstance(error, DistributedCellError)
     assert [blocked.rank for blocked in error.blocked] == [0]
     assert error.blocked[0].dist_call == "barrier"
-    inspection = healthy.cluster.inspect(healthy._unfinished, [0])[0]
+    inspection = healthy.cluster.inspect([0])[0]
     threads = parse_stack_dump(inspection.stack)
     assert sum(len(frames) > DEPTH and frames[-1].function == "_bootstrap" for frames in threads) == THREADS
     assert threads[-1][-1].function == "_run_module_as_main"

@@ -104,7 +104,7 @@ def test_hang_then_recover_keeps_every_ranks_state(ip, four, hang):
         "Stale on ranks 0-3: ddp (DistributedDataParallel), sub (ProcessGroup) hold the old process group"
         in report
     )
-    assert four._unfinished is None
+    assert four.cluster.busy_ranks() == []
     assert on_ranks(ip, "print(fingerprint() == before)") == "[ranks 0-3]\nTrue"
     assert all_reduced_sum(ip) == "[ranks 0-3]\n10 4"
     assert four.cluster.dead_ranks() == []
@@ -243,7 +243,7 @@ def test_the_cut_signal_taken_by_a_thread_without_python_still_cuts(ip, four):
     included (seen after a network outage between hosts: %dist_recover then waited 33 s for a
     rank its cut never reached). Here it is sent to one of gloo's threads on purpose."""
     _, error = run_cell(ip, "--timeout 1", "if rank == 0:\n    dist.recv(torch.zeros(1), src=3)")
-    assert isinstance(error, DistributedCellError) and four._unfinished.pending_ranks() == [0]
+    assert isinstance(error, DistributedCellError) and four.cluster.busy_ranks() == [0]
     rank0 = four.cluster.ranks[0].pid
     libc = ctypes.CDLL(None, use_errno=True)
     sent = libc.syscall(
@@ -251,8 +251,8 @@ def test_the_cut_signal_taken_by_a_thread_without_python_still_cuts(ip, four):
     )
     assert sent == 0, os.strerror(ctypes.get_errno())
     deadline = time.monotonic() + 10
-    while four._unfinished.pending_ranks() and time.monotonic() < deadline:  # the cut ends its recv
+    while four.cluster.busy_ranks() and time.monotonic() < deadline:  # the cut ends its recv
         time.sleep(0.05)
-    assert four._unfinished.pending_ranks() == []
+    assert four.cluster.busy_ranks() == []
     assert recover(ip).startswith("Recovered: ")
     assert all_reduced_sum(ip) == "[ranks 0-3]\n10 4"

@@ -116,7 +116,7 @@ def two_hosts(ip, ssh):
 @pytest.fixture
 def healthy(ip, two_hosts):
     yield two_hosts
-    if two_hosts.cluster.dead_ranks() or two_hosts._unfinished is not None:
+    if two_hosts.cluster.dead_ranks() or two_hosts.cluster.busy_ranks():
         with capture_output():
             ip.run_line_magic("dist_restart", "")
 

@@ -22,6 +22,7 @@ from ddp_magics import protocol
 from ddp_magics.cluster.records import (
     ENGINE_TIMEOUT_SECONDS,
     ClusterError,
+    Progress,
     RankFailure,
     RankInfo,
     RankOutput,
@@ -29,6 +30,8 @@ from ddp_magics.cluster.records import (
 
 # How long a signal to the ranks (an interrupt, a stack dump, a cut) may take to be confirmed.
 SIGNAL_SECONDS = 5.0
+# How long ranks get to answer a stack-dump request.
+INSPECT_SECONDS = 3.0
 CONNECT_POLL_SECONDS = 0.005  # how often the engines connected are counted while waiting for them
 FORGET_SEND_MS = 1000  # how long the news of engines gone may take to reach the controller
 # ipyparallel logs engines' output when they exit non-zero, as they do on SIGTERM at every stop;
@@ -183,7 +186,7 @@ class Engines:
         self,
         count: int,
         timeout: float,
-        progress: Callable[[str], None],
+        progress: Progress,
         ended: Callable[[], str | None] = lambda: None,
     ) -> None:
         """Until ``count`` engines are connected, reporting each; a ClusterError after ``timeout``,

@@ -12,7 +12,6 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import ipyparallel as ipp
@@ -33,6 +32,7 @@ from ddp_magics.cluster.records import (
     LOCAL_HOST,
     ClusterConfig,
     ClusterError,
+    Progress,
     nccl_shortfall,
 )
 from ddp_magics.cluster.strays import (
@@ -53,7 +53,6 @@ from ddp_magics.lifetime import (
 )
 from ddp_magics.private_files import UnsafeDirectory
 
-Progress = Callable[[str], None]
 # ipyparallel's engine checks the controller's pings every heartbeat period plus this.
 ENGINE_HEARTBEAT_CHECK_EXTRA_MS = 500
 LAST_LINE_CHARS = 300  # of what an ended launch wrote, in the error

@@ -10,10 +10,8 @@ from pathlib import Path
 
 from ddp_magics import protocol
 from ddp_magics.cluster.engines import Engines
-from ddp_magics.cluster.records import ClusterError, HostSpec, RankInfo, nccl_shortfall
+from ddp_magics.cluster.records import ClusterError, HostSpec, Progress, RankInfo, nccl_shortfall
 from ddp_magics.engine import rank as rank_code
-
-Progress = Callable[[str], None]
 
 
 def visible_gpu_count() -> int:

@@ -11,13 +11,12 @@ import contextlib
 import dataclasses
 import signal
 import time
-from collections.abc import Callable
 
 import psutil
 
 from ddp_magics import protocol
 from ddp_magics.cluster import process_group, recovery
-from ddp_magics.cluster.engines import SIGNAL_SECONDS, CellAnswers, Engines
+from ddp_magics.cluster.engines import INSPECT_SECONDS, SIGNAL_SECONDS, Answers, CellAnswers, Engines
 from ddp_magics.cluster.lifecycle import ClusterProcesses
 from ddp_magics.cluster.records import (
     ENGINE_TIMEOUT_SECONDS,
@@ -25,6 +24,7 @@ from ddp_magics.cluster.records import (
     ClusterConfig,
     ClusterError,
     DeadRanks,
+    Progress,
     RankInfo,
     RankStatus,
     Recovery,
@@ -33,7 +33,6 @@ from ddp_magics.cluster.strays import this_host
 from ddp_magics.engine import debugging, profiling, recorder
 from ddp_magics.lifetime import process_alive
 
-Progress = Callable[[str], None]
 DEATH_RECORD_SECONDS = 0.5
 
 
@@ -53,6 +52,7 @@ class RankCluster:
         # Why the ranks are not one working process group (a recovery that failed part way, after
         # cutting the old groups): every cell is refused until a recovery or restart succeeds.
         self.broken: str | None = None
+        self._cell: CellAnswers | None = None  # what the ranks answered to the last cell sent
 
     @property
     def ranks(self) -> list[RankInfo]:
@@ -106,21 +106,19 @@ class RankCluster:
             self.stop()
             raise
         self.broken = None
+        self._cell = None
 
     def recover(
-        self,
-        unfinished: CellAnswers | None,
-        shrink: bool = False,
-        interrupt_grace: float = 3.0,
-        progress: Progress = _no_progress,
+        self, interrupt_grace: float, shrink: bool = False, progress: Progress = _no_progress
     ) -> Recovery:
         """Bring every rank back to a working default process group, keeping what each living
         rank has defined: cut the old groups' connections (which ends a blocked collective),
-        interrupt ranks still running the ``unfinished`` cell, then re-form the group. A dead
-        rank is replaced by a new engine under its number, or, with ``shrink``, left out and
-        the others renumbered. A ClusterError if a rank does not stop or no rank lives; once
-        the old groups were cut, the cluster is then :attr:`broken`."""
-        done = recovery.recover(self, unfinished, shrink, interrupt_grace, progress)
+        interrupt ranks still running the last cell, then re-form the group. A dead rank is
+        replaced by a new engine under its number, or, with ``shrink``, left out and the others
+        renumbered. A ClusterError if a rank does not stop or no rank lives; once the old groups
+        were cut, the cluster is then :attr:`broken`."""
+        running = self._cell if self.busy_ranks() else None
+        done = recovery.recover(self, running, shrink, interrupt_grace, progress)
         self.n = done.world_size
         return done
 
@@ -195,12 +193,12 @@ class RankCluster:
         cell_number: int,
         trace_values_limit: int | None = None,
         profiled: bool = False,
-    ) -> CellAnswers:
+    ) -> None:
         """Start running ``code`` on ``ranks`` as the notebook's cell ``cell_number`` (traced,
         keeping the values of tensors of up to ``trace_values_limit`` elements, unless that is
-        None; under ``torch.profiler`` if ``profiled``); returns at once. DeadRanks if a rank has
-        died, a ClusterError if tracing or profiling could not start or the cluster is
-        :attr:`broken`."""
+        None; under ``torch.profiler`` if ``profiled``); returns at once, and the methods below
+        answer for it. DeadRanks if a rank has died, a ClusterError if tracing or profiling
+        could not start or the cluster is :attr:`broken`."""
         if self.broken:
             raise ClusterError(f"the ranks are not one process group since {self.broken}")
         dead = self.dead_ranks()
@@ -212,7 +210,32 @@ class RankCluster:
             )
         if profiled:
             self.engines.call_everywhere(ranks, profiling.start_profile, failing="profiling could not start")
-        return self.engines.execute(protocol.numbered_cell(code, cell_number), ranks)
+        self._cell = self.engines.execute(protocol.numbered_cell(code, cell_number), ranks)
+
+    # The last cell sent: what its ranks have answered so far (see CellAnswers).
+    def wait_for_cell(self, timeout: float) -> bool:
+        """Whether every rank of the last cell has replied within ``timeout`` seconds."""
+        return self._cell.wait(timeout)
+
+    def cell_answers(self, output_wait: float = 0.0) -> Answers:
+        return self._cell.collect(output_wait)
+
+    def busy_ranks(self) -> list[int]:
+        """The ranks still running the last cell sent."""
+        return self._cell.pending_ranks() if self._cell is not None else []
+
+    def cell_failed(self) -> bool:
+        return self._cell.any_failed()
+
+    def cell_quit_debugging(self) -> bool:
+        return self._cell.any_quit_debugging()
+
+    def next_debugger_prompt(self) -> tuple[int, protocol.DebuggerPrompt] | None:
+        return self._cell.next_debugger_prompt()
+
+    def published(self, rank: int, key: str, wait: float = 0.0):
+        """What ``rank`` last published under ``key`` in the last cell (None if nothing yet)."""
+        return self._cell.published(rank, key, wait)
 
     def clock_offsets(self, ranks: list[int], tries: int = 5) -> dict[int, tuple[float, float] | None]:
         """Each rank's clock minus this process's, in seconds, with how far off that can be (half
@@ -244,12 +267,11 @@ class RankCluster:
         """Send ``signum`` to ``ranks`` through their nannies; the ranks that did not confirm."""
         return self.engines.signal(signum, ranks, **timeout)
 
-    def inspect(
-        self, run: CellAnswers, ranks: list[int], wait: float = 3.0
-    ) -> dict[int, protocol.Inspection]:
-        """Where ``ranks``, still running ``run``, are: every thread's stack and the calls traced
-        so far, even while blocked in C code (see :mod:`ddp_magics.engine.inspector`). Ranks that
-        do not answer within ``wait`` seconds are left out."""
+    def inspect(self, ranks: list[int], wait: float = INSPECT_SECONDS) -> dict[int, protocol.Inspection]:
+        """Where ``ranks``, still running the last cell, are: every thread's stack and the calls
+        traced so far, even while blocked in C code (see :mod:`ddp_magics.engine.inspector`).
+        Ranks that do not answer within ``wait`` seconds are left out."""
+        run = self._cell
         before = {rank: run.published(rank, protocol.INSPECTION_KEY) for rank in ranks}
         self.signal(protocol.STACK_DUMP_SIGNAL, ranks, timeout=wait)
         answers: dict[int, protocol.Inspection] = {}

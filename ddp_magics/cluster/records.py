@@ -4,6 +4,7 @@ they can be shown, compared and tested apart from a running cluster."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -16,6 +17,8 @@ HEARTBEAT_SILENCE_MS = 3000
 # How long engines may take to start, import torch, or answer a set-up call.
 ENGINE_TIMEOUT_SECONDS = 60.0
 TEXT_ONLY_MIMETYPES = {"text/plain"}
+# Where a long operation (start, restart, recover) reports each step it begins, in words.
+Progress = Callable[[str], None]
 
 
 class ClusterError(RuntimeError):

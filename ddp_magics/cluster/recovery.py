@@ -7,17 +7,41 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ddp_magics import protocol
 from ddp_magics.cluster import process_group
-from ddp_magics.cluster.engines import SIGNAL_SECONDS, CellAnswers
-from ddp_magics.cluster.records import ClusterError, GroupBroken, Recovery
+from ddp_magics.cluster.engines import SIGNAL_SECONDS, CellAnswers, Engines
+from ddp_magics.cluster.records import ClusterConfig, ClusterError, GroupBroken, Progress, RankInfo, Recovery
 from ddp_magics.engine import rank as rank_code
 from ddp_magics.stacks import Frame, cell_frames, formatting_an_error, in_a_collective, parse_stack_dump
 
-if TYPE_CHECKING:
-    from ddp_magics.cluster.rank_cluster import Progress, RankCluster
+
+class Recoverable(Protocol):
+    """What a recovery needs of the cluster (:class:`~ddp_magics.cluster.rank_cluster.RankCluster`)."""
+
+    n: int
+    backend: str | None
+    broken: str | None  # set here: why the ranks are not one group, from the cut until re-formed
+    config: ClusterConfig
+    engines: Engines
+
+    @property
+    def ranks(self) -> list[RankInfo]: ...
+
+    @property
+    def forked_here(self) -> bool: ...
+
+    def dead_ranks(self) -> list[int]: ...
+
+    def signal(self, signum: int, ranks: list[int], **timeout) -> list[int]: ...
+
+    def interrupt(self, ranks: list[int]) -> list[int]: ...
+
+    def inspect(self, ranks: list[int], wait: float = ...) -> dict[int, protocol.Inspection]: ...
+
+    def replace_engines(self, dead: list[int]) -> None: ...
+
 
 # After their connections are cut, ranks blocked in a collective end within milliseconds each
 # (their error is not formatted: see engine.recovery), one after another on a loaded machine; once
@@ -34,7 +58,7 @@ PROGRESS_CHECK_SECONDS = 1.0
 
 
 def recover(
-    cluster: RankCluster,
+    cluster: Recoverable,
     unfinished: CellAnswers | None,
     shrink: bool,
     interrupt_grace: float,
@@ -57,7 +81,7 @@ def recover(
 
 
 def _cut_and_reform(
-    cluster: RankCluster,
+    cluster: Recoverable,
     unfinished: CellAnswers | None,
     shrink: bool,
     interrupt_grace: float,
@@ -110,7 +134,7 @@ def _cut_and_reform(
 
 
 def _stop_the_cell(
-    cluster: RankCluster,
+    cluster: Recoverable,
     unfinished: CellAnswers,
     alive: list[int],
     answer_seconds: float,
@@ -123,7 +147,7 @@ def _stop_the_cell(
     busy = _pending_once_none_ends(unfinished, alive, CUT_WAIT_SECONDS)
     if not busy:
         return []
-    stacks = {rank: parse_stack_dump(dump.stack) for rank, dump in cluster.inspect(unfinished, busy).items()}
+    stacks = {rank: parse_stack_dump(dump.stack) for rank, dump in cluster.inspect(busy).items()}
     # faulthandler answers the cut as it answers a stack dump, and drops a signal that comes
     # while it is writing a dump (a stack-dump request held up by a network outage reaches a
     # rank together with the cut): a rank its dump shows still in a collective gets the cut
@@ -165,7 +189,7 @@ def _ending(threads: list[list[Frame]]) -> bool:
 
 
 def _wait_while_ending(
-    cluster: RankCluster, run: CellAnswers, ranks: list[int], interrupt_grace: float
+    cluster: Recoverable, run: CellAnswers, ranks: list[int], interrupt_grace: float
 ) -> list[int]:
     """Those of ``ranks`` still running ``run`` once none of them shows progress: each gets
     ``interrupt_grace``, then more while its stack dumps show it ending, or in another place of
@@ -177,7 +201,7 @@ def _wait_while_ending(
     stuck = run.pending_among(ranks, interrupt_grace)
     last: dict[int, list[Frame]] = {}
     while stuck and time.monotonic() < deadline:
-        stacks = {rank: parse_stack_dump(dump.stack) for rank, dump in cluster.inspect(run, stuck).items()}
+        stacks = {rank: parse_stack_dump(dump.stack) for rank, dump in cluster.inspect(stuck).items()}
         moving = [
             rank
             for rank in stuck
@@ -191,7 +215,7 @@ def _wait_while_ending(
 
 
 def _wait_for_far_answers(
-    cluster: RankCluster, run: CellAnswers, stuck: list[int], waited: float, progress: Progress
+    cluster: Recoverable, run: CellAnswers, stuck: list[int], waited: float, progress: Progress
 ) -> None:
     """Ranks still running ``run`` ``waited`` seconds after an interrupt: a ClusterError at
     once if every engine is on this machine. Ranks on other hosts may have stopped while their
