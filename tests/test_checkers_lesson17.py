@@ -1,8 +1,9 @@
 """Lesson 17's checkers fail the obvious wrong answers and pass the reference solutions.
 
 As in tests/test_checkers.py: on a real gloo cluster of 2 ranks, with the lesson's set-up cell run on every
-rank (``attend``, ``NEG_INF``, the sequence), the lesson's own checker cell runs after a wrong solution (every
-rank must print ``not yet``) and after the lesson's reference solution (every rank ``pass``).
+rank (``attend``, ``NEG_INF``, ``F``, the sequence), the lesson's own checker cell runs after a wrong solution
+(every rank must print ``not yet``) and after the lesson's reference solution (every rank ``pass``).
+Exercise 2's checker runs the learner's all-to-alls on the 2 ranks.
 """
 
 from __future__ import annotations
@@ -24,84 +25,113 @@ def lesson_ranks(ip):
         yield magics
 
 
-# exercise 1: the log-sum-exp merge of two blocks' attention
+# exercise 1: a CP rank's inputs, labels and positions under head-tail sharding
 
-MERGE_WRONG = {
-    "the mean of the two outputs": """
-def merge_blocks(out_a, lse_a, out_b, lse_b):
-    return (out_a + out_b) / 2, torch.logaddexp(lse_a, lse_b)
+SHARD_WRONG = {
+    "sharded first, then shifted inside the shard": """
+def cp_shard(ids, rank, world_size):
+    chunks = torch.arange(len(ids) - 1).chunk(2 * world_size)
+    positions = torch.cat([chunks[rank], chunks[2 * world_size - 1 - rank]])
+    mine = ids[positions]
+    return mine, torch.cat([mine[1:], ids[-1:]]), positions
 """,
-    "weights exp(lse) without normalising": """
-def merge_blocks(out_a, lse_a, out_b, lse_b):
-    return torch.exp(lse_a) * out_a + torch.exp(lse_b) * out_b, torch.logaddexp(lse_a, lse_b)
+    "labels not shifted (the inputs again)": """
+def cp_shard(ids, rank, world_size):
+    chunks = torch.arange(len(ids) - 1).chunk(2 * world_size)
+    positions = torch.cat([chunks[rank], chunks[2 * world_size - 1 - rank]])
+    return ids[positions], ids[positions], positions
 """,
-    "the larger lse instead of logaddexp": """
-def merge_blocks(out_a, lse_a, out_b, lse_b):
-    lse = torch.maximum(lse_a, lse_b)
-    return torch.exp(lse_a - lse) * out_a + torch.exp(lse_b - lse) * out_b, lse
-""",
-    "right for visible keys, NaN where a block is empty": """
-def merge_blocks(out_a, lse_a, out_b, lse_b):
-    lse = torch.logaddexp(lse_a, lse_b)
-    return torch.exp(lse_a - lse) * out_a + torch.exp(lse_b - lse) * out_b, lse
-""",
-    "the weights swapped": """
-def merge_blocks(out_a, lse_a, out_b, lse_b):
-    lse = torch.logaddexp(lse_a, lse_b)
-    safe = torch.where(lse == float("-inf"), 0.0, lse)
-    return torch.exp(lse_b - safe) * out_a + torch.exp(lse_a - safe) * out_b, lse
-""",
-}
-
-
-@pytest.mark.parametrize("wrong", list(MERGE_WRONG))
-def test_17_merge_must_follow_the_log_sum_exp_rule(ip, lesson_ranks, wrong):
-    assert_checker(ip, LESSON, 1, MERGE_WRONG[wrong], WORLD)
-
-
-# exercise 2: head-tail positions
-
-ZIGZAG_WRONG = {
     "a plain contiguous split": """
-def zigzag(rank, world_size, seq_len):
-    per_rank = seq_len // world_size
-    return list(range(rank * per_rank, (rank + 1) * per_rank))
+def cp_shard(ids, rank, world_size):
+    positions = torch.arange(len(ids) - 1).chunk(world_size)[rank]
+    return ids[positions], ids[positions + 1], positions
 """,
-    "round-robin striping": """
-def zigzag(rank, world_size, seq_len):
-    return list(range(rank, seq_len, world_size))
+    "positions local to the rank (0, 1, 2, ...)": """
+def cp_shard(ids, rank, world_size):
+    chunks = torch.arange(len(ids) - 1).chunk(2 * world_size)
+    positions = torch.cat([chunks[rank], chunks[2 * world_size - 1 - rank]])
+    return ids[positions], ids[positions + 1], torch.arange(len(positions))
 """,
-    "the tail chunk from the wrong end (chunk P + rank)": """
-def zigzag(rank, world_size, seq_len):
-    chunk = seq_len // (2 * world_size)
-    head = list(range(rank * chunk, (rank + 1) * chunk))
-    tail = list(range((world_size + rank) * chunk, (world_size + rank + 1) * chunk))
-    return head + tail
-""",
-    "tensors, not lists": """
-def zigzag(rank, world_size, seq_len):
-    chunk = seq_len // (2 * world_size)
-    head = torch.arange(rank * chunk, (rank + 1) * chunk)
-    tail = torch.arange((2 * world_size - 1 - rank) * chunk, (2 * world_size - rank) * chunk)
-    return torch.cat([head, tail])
-""",
-    "the tail first": """
-def zigzag(rank, world_size, seq_len):
-    chunk = seq_len // (2 * world_size)
-    tail = list(range((2 * world_size - 1 - rank) * chunk, (2 * world_size - rank) * chunk))
-    return tail + list(range(rank * chunk, (rank + 1) * chunk))
+    "the whole ids (S + 1 tokens) sharded, the last label lost": """
+def cp_shard(ids, rank, world_size):
+    chunks = torch.arange(len(ids)).chunk(2 * world_size)
+    positions = torch.cat([chunks[rank], chunks[2 * world_size - 1 - rank]])
+    return ids[positions], ids[(positions + 1).clamp(max=len(ids) - 1)], positions
 """,
 }
 
 
-@pytest.mark.parametrize("wrong", list(ZIGZAG_WRONG))
-def test_17_zigzag_must_balance_the_causal_work(ip, lesson_ranks, wrong):
-    assert_checker(ip, LESSON, 2, ZIGZAG_WRONG[wrong], WORLD)
+@pytest.mark.parametrize("wrong", list(SHARD_WRONG))
+def test_17_cp_shard_must_shift_then_shard(ip, lesson_ranks, wrong):
+    assert_checker(ip, LESSON, 1, SHARD_WRONG[wrong], WORLD)
+
+
+# exercise 2: Ulysses attention, sequence split -> head split -> sequence split
+
+ULYSSES_WRONG = {
+    "attention over my own tokens only (no all-to-all)": """
+def ulysses_attention(q, k, v, causal):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+""",
+    "the mask ignored": """
+def ulysses_attention(q, k, v, causal):
+    world = dist.get_world_size()
+    b, h, s, d = q.shape
+
+    def to_heads(x):
+        pieces = x.reshape(b, world, h // world, s, d).transpose(0, 1).contiguous()
+        received = torch.empty_like(pieces)
+        dist.all_to_all_single(received, pieces)
+        return received.permute(1, 2, 0, 3, 4).reshape(b, h // world, world * s, d)
+
+    out = F.scaled_dot_product_attention(to_heads(q), to_heads(k), to_heads(v))
+    pieces = out.reshape(b, h // world, world, s, d).permute(2, 0, 1, 3, 4).contiguous()
+    received = torch.empty_like(pieces)
+    dist.all_to_all_single(received, pieces)
+    return received.transpose(0, 1).reshape(b, h, s, d)
+""",
+    "the received pieces laid out by rank, not along the sequence": """
+def ulysses_attention(q, k, v, causal):
+    world = dist.get_world_size()
+    b, h, s, d = q.shape
+
+    def to_heads(x):
+        pieces = x.reshape(b, world, h // world, s, d).transpose(0, 1).contiguous()
+        received = torch.empty_like(pieces)
+        dist.all_to_all_single(received, pieces)
+        return received.permute(1, 2, 3, 0, 4).reshape(b, h // world, world * s, d)
+
+    out = F.scaled_dot_product_attention(to_heads(q), to_heads(k), to_heads(v), is_causal=causal)
+    pieces = out.reshape(b, h // world, s, world, d).permute(3, 0, 1, 2, 4).contiguous()
+    received = torch.empty_like(pieces)
+    dist.all_to_all_single(received, pieces)
+    return received.transpose(0, 1).reshape(b, h, s, d)
+""",
+    "the output not sent back (my heads' rows of the first tokens)": """
+def ulysses_attention(q, k, v, causal):
+    world = dist.get_world_size()
+    b, h, s, d = q.shape
+
+    def to_heads(x):
+        pieces = x.reshape(b, world, h // world, s, d).transpose(0, 1).contiguous()
+        received = torch.empty_like(pieces)
+        dist.all_to_all_single(received, pieces)
+        return received.permute(1, 2, 0, 3, 4).reshape(b, h // world, world * s, d)
+
+    out = F.scaled_dot_product_attention(to_heads(q), to_heads(k), to_heads(v), is_causal=causal)
+    return out[:, :, :s].repeat(1, world, 1, 1)
+""",
+}
+
+
+@pytest.mark.parametrize("wrong", list(ULYSSES_WRONG))
+def test_17_ulysses_must_attend_over_the_whole_sequence(ip, lesson_ranks, wrong):
+    assert_checker(ip, LESSON, 2, ULYSSES_WRONG[wrong], WORLD)
 
 
 def test_17_run_all_checks_the_learners_answers(ip, lesson_ranks):
     wrong = {
-        1: MERGE_WRONG["the mean of the two outputs"],
-        2: ZIGZAG_WRONG["round-robin striping"],
+        1: SHARD_WRONG["sharded first, then shifted inside the shard"],
+        2: ULYSSES_WRONG["attention over my own tokens only (no all-to-all)"],
     }
     assert_run_all(ip, LESSON, wrong, WORLD)
