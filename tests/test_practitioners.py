@@ -110,3 +110,37 @@ def test_accelerate_joins_the_running_group_and_its_calls_are_named(ip, cluster)
     assert "DDP bucket 0" in made
     assert any(maker.startswith("broadcast_object_list from accelerate/") for maker in made), made
     assert any(maker.startswith("accelerate/utils/operations.py:") for maker in made), made
+
+
+FABRIC = """\
+import sys
+import lightning as L
+fabric = L.Fabric(accelerator="cpu", devices=world_size, strategy="ddp")
+fabric.launch()
+torch.manual_seed(0)
+model, opt = fabric.setup(*(lambda m: (m, torch.optim.SGD(m.parameters(), lr=0.1)))(torch.nn.Linear(4, 1)))
+for step in range(3):
+    opt.zero_grad()
+    fabric.backward(model(torch.ones(2, 4) * (rank + 1)).sum())
+    opt.step()
+weights = [round(value, 4) for value in model.module.weight.reshape(-1).tolist()]
+total = fabric.all_reduce(torch.tensor(float(rank)), reduce_op="sum").item()
+strategy = type(fabric.strategy).__name__
+print([hasattr(sys, "ps1"), fabric.global_rank == rank, fabric.world_size, strategy, weights, total])
+"""
+
+
+def test_lightning_fabric_ddp_runs_in_the_ranks_as_a_script_writes_it(ip, cluster):
+    """Lightning refuses strategy='ddp' where ``sys.ps1`` exists (IPython's sign of a prompt):
+    the ranks are processes launched from outside, as under torchrun, and say so."""
+    pytest.importorskip("lightning")
+    captured, error = run_cell(ip, "--trace fabric", FABRIC)
+    assert error is None, error
+    lines = [line for line in shown_text(captured).splitlines() if line.startswith("[")]
+    [printed] = [ast.literal_eval(line) for line in lines if not line.startswith("[rank")]
+    no_prompt, same_rank, world, strategy, weights, total = printed
+    assert (no_prompt, same_rank, world, strategy, total) == (False, True, 2, "DDPStrategy", 1.0)
+    assert weights == [-0.9037, -0.6318, -1.3115, -1.268]  # both ranks: one model, trained together
+    made = [step.events[0].made_by for step in ip.user_ns["fabric"].steps]
+    assert made.count("DDP bucket 0") == 3
+    assert made[-1].startswith("lightning/fabric/utilities/distributed.py:"), made

@@ -10,7 +10,7 @@ import os
 import socket
 import threading
 
-from ddp_magics.engine import debugging, recovery
+from ddp_magics.engine import debugging, launched, recovery
 from ddp_magics.engine.inspector import start_inspector
 from ddp_magics.protocol import CELL_NUMBER_HEADER, EngineProbe, RankSetup, Rejoined
 
@@ -164,6 +164,7 @@ def setup_rank(setup: RankSetup) -> str:
     os.environ.setdefault("MPLBACKEND", INLINE_BACKEND)
 
     start_inspector()
+    launched.as_launched_process()  # as under torchrun: Lightning's DDP then runs in the ranks
     recovery.note_engine_event_loops()
     if not debugging.notebook_debugger_installed():  # once per engine
         debugging.install_notebook_debugger()
