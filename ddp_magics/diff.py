@@ -3,7 +3,9 @@ lines of text (what nbval compares), every rank measured against the lowest one.
 
 from __future__ import annotations
 
-from ddp_magics.protocol import ValueSnapshot, rank_label
+from ddp_magics.protocol import DTensorLeaf, ValueSnapshot, rank_label
+
+EXPECTED = "differ as expected"
 
 
 def describe_differences(expression: str, snapshots: dict[int, ValueSnapshot]) -> list[str]:
@@ -13,13 +15,18 @@ def describe_differences(expression: str, snapshots: dict[int, ValueSnapshot]) -
     lines = [f"{expression} ({kind}) on {rank_label(ranks)}, each compared with rank {reference}:"]
     paths = list(dict.fromkeys(path for rank in ranks for path in snapshots[rank].leaves))
     width = max((len(path) for path in paths), default=0)
-    differing = 0
+    differing = sharded = 0
     for path in paths:
         same, verdict = _compare_leaf({rank: snapshots[rank].leaves.get(path, _MISSING) for rank in ranks})
         differing += not same
+        sharded += same and EXPECTED in verdict
         lines.append(f"  {path:<{width}}  {verdict}")
     if len(paths) > 1:
-        lines.append(f"{differing} of {len(paths)} entries differ." if differing else "All entries equal.")
+        expected = f" ({sharded} sharded: their local shards {EXPECTED})" if sharded else ""
+        if differing:
+            lines.append(f"{differing} of {len(paths)} entries differ{expected}.")
+        else:
+            lines.append(f"All entries agree{expected}." if sharded else "All entries equal.")
     return lines
 
 
@@ -39,6 +46,8 @@ def _compare_leaf(values: dict[int, object]) -> tuple[bool, str]:
     reference = values[ranks[0]]
     if all(isinstance(value, torch.Tensor) for value in values.values()):
         return _compare_tensors(values)
+    if all(isinstance(value, DTensorLeaf) for value in values.values()):
+        return _compare_dtensors(values)
     different = [rank for rank in ranks[1:] if not _same(values[rank], reference)]
     if not different:
         return True, f"equal: {_short(reference)}"
@@ -76,6 +85,44 @@ def _compare_tensors(values: dict) -> tuple[bool, str]:
     return False, f"{header}  differs ({'; '.join(differences)})"
 
 
+def _compare_dtensors(values: dict[int, DTensorLeaf]) -> tuple[bool, str]:
+    """DTensors: the layout must agree; ranks that hold the same part (the same place on every
+    mesh dimension that is not replicated) must hold equal local tensors; the parts of a
+    sharded or partial layout differ, as they should."""
+    ranks = list(values)
+    reference = values[ranks[0]]
+    dtype = str(reference.local.dtype).removeprefix("torch.")
+    header = f"DTensor {reference.shape} {dtype} [{reference.layout()}]"
+    layout = (reference.shape, reference.placements, reference.mesh_shape)
+    other = [
+        rank
+        for rank in ranks[1:]
+        if (values[rank].shape, values[rank].placements, values[rank].mesh_shape) != layout
+    ]
+    if other:
+        shown = ", ".join(f"rank {rank} {values[rank].shape} [{values[rank].layout()}]" for rank in other)
+        return False, f"{header}  layout differs on {rank_label(other)}: {shown}"
+    replicas: dict[tuple, list[int]] = {}
+    for rank in ranks:
+        replicas.setdefault(values[rank].replica_key(), []).append(rank)
+    differences = []
+    for members in replicas.values():
+        if len(members) > 1:
+            same, verdict = _compare_tensors({rank: values[rank].local for rank in members})
+            if not same:
+                differences.append(verdict.partition("  ")[2])
+    if differences:
+        return False, f"{header}  replicas {'; '.join(differences)}"
+    split = [placement for placement in reference.placements if placement != "Replicate()"]
+    if not split:
+        return True, f"{header}  equal"
+    kind = "sharded" if any(placement.startswith("Shard") for placement in split) else "partial"
+    note = f"{kind} ({', '.join(split)}): local shards {EXPECTED}"
+    if any(len(members) > 1 for members in replicas.values()):
+        note += ", replicas equal"
+    return True, f"{header}  {note}"
+
+
 def _same(a, b) -> bool:
     try:
         return bool(a == b) and type(a) is type(b)
@@ -86,4 +133,3 @@ def _same(a, b) -> bool:
 def _short(value, limit: int = 40) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
-

@@ -276,6 +276,29 @@ class ValueSnapshot:
     leaves: dict[str, object]
 
 
+@dataclass(frozen=True)
+class DTensorLeaf:
+    """A DTensor leaf of a :class:`ValueSnapshot`: this rank's local tensor (on the CPU) and how
+    the whole is laid out over the mesh."""
+
+    local: object  # a CPU tensor
+    shape: tuple[int, ...]  # the whole tensor's
+    placements: tuple[str, ...]  # per mesh dimension: "Shard(0)", "Replicate()", "Partial(sum)"
+    mesh_shape: tuple[int, ...]
+    coordinate: tuple[int, ...] | None  # this rank's place on the mesh
+
+    def layout(self) -> str:
+        return ", ".join(self.placements)
+
+    def replica_key(self) -> tuple:
+        """Ranks with the same key hold the same local tensor: the same place on every mesh
+        dimension that is not replicated."""
+        coordinate = self.coordinate or ()
+        return tuple(
+            place for place, placement in zip(coordinate, self.placements) if placement != "Replicate()"
+        )
+
+
 DEBUGGER_KEY = "ddp_magics.debugger"  # a DebuggerPrompt: a rank in breakpoint() waits for a line
 # The control message that carries a typed line to a rank at a debugger prompt (its main thread
 # is busy in the cell; the engine's control thread still answers).

@@ -144,3 +144,37 @@ def test_lightning_fabric_ddp_runs_in_the_ranks_as_a_script_writes_it(ip, cluste
     made = [step.events[0].made_by for step in ip.user_ns["fabric"].steps]
     assert made.count("DDP bucket 0") == 3
     assert made[-1].startswith("lightning/fabric/utilities/distributed.py:"), made
+
+
+FSDP_AND_TP = """\
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import distribute_tensor, Replicate
+mesh = init_device_mesh("cpu", (world_size,))
+torch.manual_seed(0)
+sharded = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+fully_shard(sharded, mesh=mesh)
+replicated = distribute_tensor(torch.arange(6.0), mesh, [Replicate()])
+"""
+
+
+def test_dist_diff_knows_dtensors(ip, cluster):
+    """FSDP2's shards differ as they should; a replicated DTensor is compared."""
+    _, error = run_cell(ip, "", FSDP_AND_TP)
+    assert error is None, error
+    lines = dist_diff(ip, "sharded")
+    assert lines[-1] == "All entries agree (4 sharded: their local shards differ as expected)."
+    weight = next(line for line in lines if line.strip().startswith("0.weight"))
+    assert "DTensor (8, 4) float32 [Shard(0)]  sharded (Shard(0)): local shards differ as expected" in weight
+    assert "equal" in dist_diff(ip, "replicated")[-1] and "[Replicate()]" in dist_diff(ip, "replicated")[-1]
+    run_cell(ip, "", "if rank == 1:\n    replicated.to_local()[0] = 7.0")
+    assert "replicas differs (rank 1: max |a-b| 7" in dist_diff(ip, "replicated")[-1]
+
+
+def dist_diff(ip, expression: str) -> list[str]:
+    from IPython.utils.capture import capture_output
+
+    with capture_output() as captured:
+        ip.run_line_magic("dist_diff", expression)
+    return captured.stdout.strip().splitlines()

@@ -30,6 +30,7 @@ from ddp_magics.protocol import (
     DEBUGGER_KEY,
     SKIP_BREAKPOINTS,
     DebuggerPrompt,
+    DTensorLeaf,
     ValueSnapshot,
 )
 
@@ -302,8 +303,30 @@ def _add_leaves(value, path: str, leaves: dict[str, object]) -> None:
 
 
 def _cpu(tensor):
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: this rank's shard
-    return local.detach().to("cpu")
+    """A CPU copy of a tensor; of a DTensor, its local tensor and its layout (no collective: the
+    notebook compares what should agree)."""
+    if not hasattr(tensor, "to_local") or not hasattr(tensor, "placements"):
+        return tensor.detach().to("cpu")
+    mesh = tensor.device_mesh
+    coordinate = mesh.get_coordinate()
+    return DTensorLeaf(
+        tensor.to_local().detach().to("cpu"),
+        tuple(tensor.shape),
+        tuple(_placement(placement) for placement in tensor.placements),
+        tuple(mesh.shape),
+        tuple(coordinate) if coordinate is not None else None,
+    )
+
+
+def _placement(placement) -> str:
+    """``Shard(0)``, ``Replicate()``, ``Partial(sum)`` (torch's own str is ``S(0)``, ``R``)."""
+    if placement.is_shard():
+        return f"Shard({placement.dim})"
+    if placement.is_replicate():
+        return "Replicate()"
+    if placement.is_partial():
+        return f"Partial({getattr(placement, 'reduce_op', 'sum')})"
+    return repr(placement)
 
 
 def _join(path: str, name: str) -> str:
