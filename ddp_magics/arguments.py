@@ -12,6 +12,7 @@ import re
 import socket
 from typing import Any
 
+from ddp_magics.addresses import is_loopback
 from ddp_magics.cluster.process_group import visible_gpu_count
 from ddp_magics.cluster.records import HEARTBEAT_SILENCE_MS, ClusterConfig, HostSpec, nccl_shortfall
 from ddp_magics.errors import usage_error
@@ -112,7 +113,7 @@ def local_addresses() -> list[str]:
 
 
 def is_local_address(address: str) -> bool:
-    return address.startswith("127.") or address in local_addresses()
+    return is_loopback(address) or address in local_addresses()
 
 
 # ``[user@]host[:port]``: names of letters, digits, ``.``, ``_`` and ``-``, none starting with

@@ -19,6 +19,10 @@ STACK_DUMP_SIGNAL = signal.SIGUSR1
 CUT_CONNECTIONS_SIGNAL = signal.SIGRTMIN + 4
 # First line of every cell the notebook sends: the notebook's own number for the cell.
 CELL_NUMBER_HEADER = "# ddp_magics: In["
+# What a zygote writes to its log as a child it forked ends (the notebook reads it for a dead
+# engine's record): the prefix, the PID, how it ended.
+ZYGOTE_CHILD_ENDED = "ddp_magics zygote: ended: PID "
+
 DEFAULT_VALUES_LIMIT = 16
 # Keys of the data messages (ipyparallel's datapub) engines publish for the running cell.
 INSPECTION_KEY = "ddp_magics.inspection"  # an Inspection, answering STACK_DUMP_SIGNAL
@@ -320,8 +324,9 @@ class DebuggerPrompt:
 
 # --------------------------------------------------------------------------- what a profile records
 PROFILE_KEY = "ddp_magics.profile"  # a RankProfile, published as a profiled cell ends
-# What a profiled slice of a rank's time was.
-COMPUTE, COMMUNICATION, LAUNCH = "compute", "communication", "launch"
+# What a profiled slice of a rank's time was. A mark: a top-level ``record_function`` range
+# (a loop's ``step 3``, ``ProfilerStep#3``, ``DistributedDataParallel.forward``), not work itself.
+COMPUTE, COMMUNICATION, LAUNCH, MARK = "compute", "communication", "launch", "mark"
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from traitlets.config import Configurable
 
 from ddp_magics import arguments
 from ddp_magics.cluster.records import BACKENDS, LAUNCHERS
+from ddp_magics.protocol import DEFAULT_VALUES_LIMIT
 
 
 class Settings(Configurable):
@@ -62,7 +63,9 @@ class Settings(Configurable):
         "(their lifeline to the kernel ends them after about 30 s without a link anyway).",
     )
     trace_values_limit = Integer(
-        16, config=True, help="Traced tensors with at most this many elements keep their values."
+        DEFAULT_VALUES_LIMIT,
+        config=True,
+        help="Traced tensors with at most this many elements keep their values.",
     )
     max_local_ranks = Integer(
         max(64, 8 * (os.cpu_count() or 1)),

@@ -10,8 +10,13 @@ import ddp_magics
 
 PACKAGE = Path(ddp_magics.__file__).parent
 # What engine code may import of ddp_magics: itself, the shared records, process lifetime,
-# private files.
-SHARED_MODULES = ("ddp_magics.protocol", "ddp_magics.lifetime", "ddp_magics.private_files")
+# private files, addresses.
+SHARED_MODULES = (
+    "ddp_magics.protocol",
+    "ddp_magics.lifetime",
+    "ddp_magics.private_files",
+    "ddp_magics.addresses",
+)
 ENGINE_MAY_IMPORT = ("ddp_magics.engine", *SHARED_MODULES)
 
 

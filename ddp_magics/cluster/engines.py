@@ -53,7 +53,6 @@ class CellAnswers:
     """What each rank has answered so far to one cell sent to it."""
 
     def __init__(self, result: ipp.AsyncResult, ranks: list[int]) -> None:
-        self.ranks = ranks
         self._result = result
         # The AsyncResult's per-message metadata dicts, which the client updates as replies and
         # output arrive: read once here (each read of AsyncResult.metadata parses timestamps),
@@ -166,10 +165,6 @@ class Engines:
     def connect(self, cluster: ipp.Cluster) -> None:
         if self._client is None:
             self._client = cluster.connect_client_sync()
-
-    @property
-    def connected(self) -> bool:
-        return self._client is not None
 
     @property
     def ids(self) -> set[int]:

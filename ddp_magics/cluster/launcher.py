@@ -39,6 +39,8 @@ from ddp_magics.engine.zygote_client import SOCKET_NAME, fork_engine, signal_pro
 from ddp_magics.lifetime import CLUSTER_DIR_ENV
 
 ZYGOTE_LOG = "zygote.log"
+# How long a host's ssh session may take to end once told to.
+SESSION_END_SECONDS = 3.0
 
 
 # Variables of torch and the libraries it loads; some are read once, on import (TORCH_DISTRIBUTED_DEBUG).
@@ -152,7 +154,6 @@ class ZygoteEngineSetLauncher(LocalEngineSetLauncher):
     launcher_class = ZygoteEngineLauncher
 
 
-
 class HostZygote(_ZygoteProcess):
     """The zygote of one of the cluster's other hosts (``python -m ddp_magics.engine.zygote
     --host``), started by one ssh session that also forwards a socket of this machine to the
@@ -198,7 +199,7 @@ class HostZygote(_ZygoteProcess):
             with contextlib.suppress(BrokenPipeError):
                 self.process.stdin.close()
 
-    def stop(self, grace: float = 3.0) -> None:
+    def stop(self, grace: float = SESSION_END_SECONDS) -> None:
         """End the session (see :meth:`close`) and wait for it to end."""
         self.close()
         if self.process.poll() is None:

@@ -18,6 +18,7 @@ import ipyparallel as ipp
 import psutil
 from traitlets.config import Config
 
+from ddp_magics.addresses import address_towards, is_loopback
 from ddp_magics.cluster.engines import CLUSTER_LOG, Engines
 from ddp_magics.cluster.hosts import HostError, OtherHosts
 from ddp_magics.cluster.launcher import (
@@ -41,8 +42,6 @@ from ddp_magics.cluster.strays import (
     stop_processes,
     write_owner,
 )
-from ddp_magics.engine import rank as rank_code
-from ddp_magics.engine.zygote import ENDED_PREFIX
 from ddp_magics.lifetime import (
     LIFELINE_ENV,
     Lifeline,
@@ -52,6 +51,7 @@ from ddp_magics.lifetime import (
     launch_environment,
 )
 from ddp_magics.private_files import UnsafeDirectory
+from ddp_magics.protocol import ZYGOTE_CHILD_ENDED
 
 # ipyparallel's engine checks the controller's pings every heartbeat period plus this.
 ENGINE_HEARTBEAT_CHECK_EXTRA_MS = 500
@@ -188,9 +188,9 @@ class ClusterProcesses:
         if self.config.controller_ip:
             return self.config.controller_ip
         remote = {
-            host.location: rank_code.address_towards(host.address)
+            host.location: address_towards(host.address)
             for host in self.config.hosts
-            if not host.address.startswith("127.")
+            if not is_loopback(host.address)
         }
         sources = sorted(set(remote.values()))
         if not sources:
@@ -315,7 +315,7 @@ class ClusterProcesses:
         machine can tell: for engines its zygote forked. (None, None) otherwise."""
         if self._zygote is None or self.workdir is None:
             return None, None
-        marker = f"{ENDED_PREFIX}{pid} "
+        marker = f"{ZYGOTE_CHILD_ENDED}{pid} "
         deadline = time.monotonic() + wait  # the zygote reaps and logs the exit just after it
         how = None
         while how is None:

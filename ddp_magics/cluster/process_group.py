@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ddp_magics import protocol
+from ddp_magics.addresses import address_towards
 from ddp_magics.cluster.engines import Engines
 from ddp_magics.cluster.records import ClusterError, HostSpec, Progress, RankInfo, nccl_shortfall
 from ddp_magics.engine import rank as rank_code
@@ -52,7 +53,7 @@ def form(
     progress("importing torch on the engines")
     port = None
     if one_host:
-        opening = (rank_code.address_towards(controller_address), n, pg_timeout)  # its probe's address
+        opening = (address_towards(controller_address), n, pg_timeout)  # its probe's address
         calls = [(engine_ids[0], rank_code.probe_and_open_rendezvous, (controller_address, *opening))]
         calls += [(engine_id, rank_code.probe_engine, (controller_address,)) for engine_id in engine_ids[1:]]
         (first, port), *others = engines.apply_each(calls, lambda index: "importing torch")

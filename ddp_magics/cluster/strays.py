@@ -23,6 +23,8 @@ OWNER_FILE = "owner"  # the kernel that started the cluster (lifetime.Owner), an
 HALF_MADE_SECONDS = 60
 # How long stopping waits for a step that normally takes milliseconds before forcing it.
 STOP_GRACE_SECONDS = 0.5
+# After SIGKILL, how long a process may take to be gone.
+KILLED_EXIT_SECONDS = 3.0
 
 
 def clusters_root() -> Path:
@@ -39,7 +41,7 @@ def write_owner(workdir: Path) -> None:
 
 
 def stop_processes(
-    processes: list[psutil.Process], grace: float = STOP_GRACE_SECONDS, timeout: float = 3.0
+    processes: list[psutil.Process], grace: float = STOP_GRACE_SECONDS, timeout: float = KILLED_EXIT_SECONDS
 ) -> None:
     """Make sure stopped processes exit, by PID: SIGKILL those still running after ``grace``
     seconds (all are ours and hold nothing to save)."""

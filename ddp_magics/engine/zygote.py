@@ -59,9 +59,9 @@ from ddp_magics.lifetime import (
     record_process,
 )
 from ddp_magics.private_files import unix_address
+from ddp_magics.protocol import ZYGOTE_CHILD_ENDED
 
 # A line of the zygote's log for each process it forked that ended: this prefix, PID, how.
-ENDED_PREFIX = "ddp_magics zygote: ended: PID "
 READY = "ready"
 STOP = "stop"  # to a host's zygote (--host), on its standard input: the cluster stops
 # Imported once, here, instead of in every engine: torch, ipyparallel's engine and nanny, the
@@ -325,7 +325,7 @@ def _reap_children() -> None:
         if pid == 0:
             return
         _forked.discard(pid)
-        print(f"{ENDED_PREFIX}{pid} {how_it_ended(status)}", file=sys.stderr, flush=True)
+        print(f"{ZYGOTE_CHILD_ENDED}{pid} {how_it_ended(status)}", file=sys.stderr, flush=True)
 
 
 def how_it_ended(status: int) -> str:
