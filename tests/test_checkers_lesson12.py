@@ -10,7 +10,7 @@ import pytest
 from IPython.utils.capture import capture_output
 
 from tests.conftest import running_cluster
-from tests.test_checkers import assert_checker, assert_run_all, lesson_cell, on_ranks
+from tests.test_checkers import assert_checker, assert_run_all, on_ranks
 
 LESSON = "12_debugging"
 
@@ -26,82 +26,36 @@ def lesson_ranks(ip, tmp_path_factory):
         yield magics
 
 
-# exercise 1: the job must take the same steps on every rank, on the given group
+# exercise 1: the first collective some ranks never recorded, per group, with buffers that dropped old entries
 
-TRAIN_WRONG = {
-    "the broken job as given (rank 0 hangs in its third all_reduce)": lesson_cell(
-        LESSON, "The job to diagnose"
-    ).replace("def broken_train_job(", "def train_job("),
-    "no communication at all (no hang, ranks drift apart)": """
-from torch import nn
-
-
-def train_job(group=None):
-    torch.manual_seed(0)
-    model = nn.Linear(3, 1).to(device)
-    X = torch.randn(9, 3, generator=torch.Generator().manual_seed(1)).to(device)
-    y = X.sum(1, keepdim=True)
-    mine = range(rank, len(X), dist.get_world_size(group))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for start in range(0, len(mine), 2):
-        batch = list(mine[start:start + 2])
-        opt.zero_grad()
-        nn.functional.mse_loss(model(X[batch]), y[batch]).backward()
-        opt.step()
-    return model
-""",
-    "rank 0 takes its last step alone (no hang, ranks drift apart)": """
-from torch import nn
-
-
-def train_job(group=None):
-    torch.manual_seed(0)
-    model = nn.Linear(3, 1).to(device)
-    X = torch.randn(9, 3, generator=torch.Generator().manual_seed(1)).to(device)
-    y = X.sum(1, keepdim=True)
-    size = dist.get_world_size(group)
-    mine = range(rank, len(X), size)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for start in range(0, len(mine), 2):
-        batch = list(mine[start:start + 2])
-        opt.zero_grad()
-        nn.functional.mse_loss(model(X[batch]), y[batch]).backward()
-        if start < 4:
-            for p in model.parameters():
-                dist.all_reduce(p.grad, group=group)
-                p.grad /= size
-        opt.step()
-    return model
-""",
-    "summed gradients, not averaged (the fix that lets rank 1 join with zeros)": """
-from torch import nn
-
-
-def train_job(group=None):
-    torch.manual_seed(0)
-    model = nn.Linear(3, 1).to(device)
-    X = torch.randn(9, 3, generator=torch.Generator().manual_seed(1)).to(device)
-    y = X.sum(1, keepdim=True)
-    mine = range(rank, len(X), dist.get_world_size(group))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for start in range(0, 6, 2):  # 3 steps on every rank
-        batch = list(mine[start:start + 2])
-        opt.zero_grad()
-        if batch:
-            nn.functional.mse_loss(model(X[batch]), y[batch]).backward()
-        for p in model.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=group)  # summed, never divided
-        opt.step()
-    return model
-""",
+UNJOINED_RIGHT_BUT = """
+def first_unjoined(traces, group):
+    seen = {r: {e["collective_seq_id"]: e["profiling_name"] for e in entries if FILTER}
+            for r, entries in traces.items()}
+    operations = {seq: name for mine in seen.values() for seq, name in mine.items()}
+    for seq in sorted(operations):
+        missing = sorted(r for r, mine in seen.items() if MISSING)
+        if missing:
+            return seq, operations[seq], missing
+    return None
+"""
+ONE_GROUP = 'e["process_group"][0] == group'
+UNJOINED_WRONG = {
+    "entries of every group counted together": UNJOINED_RIGHT_BUT.replace(" if FILTER", "").replace(
+        "MISSING", "seq not in mine and (not mine or seq > min(mine))"
+    ),
+    "entries that left a full buffer counted as never recorded": UNJOINED_RIGHT_BUT.replace(
+        "FILTER", ONE_GROUP
+    ).replace("MISSING", "seq not in mine"),
+    "the ranks that did record it": UNJOINED_RIGHT_BUT.replace("FILTER", ONE_GROUP).replace(
+        "MISSING", "seq in mine"
+    ),
 }
 
 
-@pytest.mark.parametrize("wrong", list(TRAIN_WRONG))
-def test_12_diagnosed_job_must_not_hang_and_must_agree(ip, lesson_ranks, wrong):
-    assert_checker(ip, LESSON, 1, TRAIN_WRONG[wrong], 2)
+@pytest.mark.parametrize("wrong", list(UNJOINED_WRONG))
+def test_12_first_unjoined_must_follow_groups_and_full_buffers(ip, lesson_ranks, wrong):
+    assert_checker(ip, LESSON, 1, UNJOINED_WRONG[wrong], 2)
 
 
 # exercise 2: a dump on each signal, and none before
@@ -130,6 +84,6 @@ def test_12_stack_dumps_must_come_on_the_signal(ip, lesson_ranks, wrong):
 
 
 def test_12_run_all_checks_the_learners_answers(ip, lesson_ranks):
-    no_communication = TRAIN_WRONG["no communication at all (no hang, ranks drift apart)"]
-    wrong = {1: no_communication, 2: DUMP_WRONG["nothing armed"]}
+    full_buffers = UNJOINED_WRONG["entries that left a full buffer counted as never recorded"]
+    wrong = {1: full_buffers, 2: DUMP_WRONG["nothing armed"]}
     assert_run_all(ip, LESSON, wrong, 2)
