@@ -10,6 +10,7 @@ import json
 import pytest
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
+from matplotlib.transforms import Bbox
 
 from ddp_magics.errors import DistributedCellError
 from ddp_magics.protocol import COMMUNICATION, COMPUTE
@@ -111,6 +112,46 @@ def check_per_rank_files(saved, directory, world):
     assert sorted(analysis.t.get_ranks()) == list(range(world))
     names = analysis.t.symbol_table.get_sym_table()
     assert any(name.startswith("gloo:") or name.startswith("all_reduce") for name in names)
+
+
+STEPS = """
+import torch.nn as nn
+torch.manual_seed(0)
+layers = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])
+ddp = nn.parallel.DistributedDataParallel(layers, bucket_cap_mb=0.01)
+for step in range(4):
+    with torch.profiler.record_function(f"step {step}"):
+        ddp(torch.randn(16, 64)).sum().backward()
+"""
+
+
+def test_the_picture_marks_steps_and_its_names_never_overlap(ip, cluster):
+    """The loop's record_function ranges are dashed step marks; a busy lane's names (8 buckets
+    a step) are written where they overlap no other name, measured as drawn."""
+    _, error = run_cell(ip, "--profile steps", STEPS)
+    assert error is None, error
+    profile = ip.user_ns["steps"]
+    for rank in (0, 1):
+        assert [s.name for s in profile.spans[rank] if s.kind == "mark"] == [f"step {n}" for n in range(4)]
+    diagram = profile.draw()
+    assert "step marks (dashed): step 0, step 1, step 2, step 3, 4 on rank 0" in diagram.text
+    figure = diagram.figure
+    marks = {c.get_gid(): len(c.get_segments()) for c in figure.axes[0].collections if "marks" in c.get_gid()}
+    assert marks == {"marks:0": 4, "marks:1": 4}
+    renderer = figure.canvas.get_renderer()
+    texts = [t for t in figure.axes[0].texts if (t.get_gid() or "").startswith(("label:", "marklabel:"))]
+    # Text boxes include the line's leading: 2 pixels off the top and bottom are never ink.
+    boxes = [t.get_window_extent(renderer) for t in texts]
+    boxes = [Bbox.from_extents(b.x0, b.y0 + 2, b.x1, b.y1 - 2) for b in boxes]
+    assert len(texts) > 8
+    overlapping = [
+        (texts[i].get_text(), texts[j].get_text())
+        for i in range(len(boxes))
+        for j in range(i + 1, len(boxes))
+        if boxes[i].overlaps(boxes[j])
+    ]
+    assert not overlapping
+    assert profile.summary()[0]["compute"] > 0  # marks are not work
 
 
 def test_results_equal_with_and_without_profile(ip, cluster):

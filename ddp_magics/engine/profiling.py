@@ -23,6 +23,7 @@ from ddp_magics.protocol import (
     COMMUNICATION,
     COMPUTE,
     LAUNCH,
+    MARK,
     PROFILE_KEY,
     ProfiledSlice,
     RankMemory,
@@ -86,7 +87,7 @@ class CellProfiler:
         for (device, thread), events in by_thread.items():
             for name, start, end, kind, self_ns in _nested(events, device):
                 last = max(last, end / 1e9)
-                if kind != LAUNCH and kind != COMMUNICATION:
+                if kind not in (LAUNCH, COMMUNICATION, MARK):
                     totals = self_times.setdefault(name, [0, 0])
                     totals[0] += 1
                     totals[1] += self_ns
@@ -115,7 +116,8 @@ class CellProfiler:
 def _nested(events: list, device: str):
     """(name, start ns, end ns, kind, self ns) of one thread's ops. Kind None: an op inside
     another op. ``record_function`` ranges (``DistributedDataParallel.forward``) are seen
-    through and left out: they may wait for communication; what runs inside them counts. Ops
+    through: they may wait for communication; what runs inside them counts. Those inside no other
+    range are kept as marks (a loop's steps), the others left out. Ops
     inside a backend's range on its own thread (gloo copying its buffers) are left out too; on
     the thread that calls the backend its ranges enclose nothing (an ``irecv``'s range lasts
     until the data came, while the thread computes)."""
@@ -147,6 +149,8 @@ def _nested(events: list, device: str):
             kind = None
         else:
             kind = COMPUTE
+        if annotation and not open_ranges:
+            kind = MARK
         row = [name, start, end, kind, end - start, annotation]
         rows.append(row)
         if communication and calls_backend:
@@ -158,7 +162,7 @@ def _nested(events: list, device: str):
     for closed in open_ranges:
         closed[3][4] -= closed[2]
     for name, start, end, kind, self_ns, annotation in rows:
-        if not annotation:
+        if not annotation or kind == MARK:
             yield name, start, end, kind, self_ns
 
 
