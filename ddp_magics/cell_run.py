@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from ddp_magics.cluster.rank_cluster import RankCluster
 from ddp_magics.cluster.records import ClusterError, RankFailure, RankOutput, Recovery
 from ddp_magics.diagrams import Trace
-from ddp_magics.errors import DeadRank
+from ddp_magics.errors import RankDeath
 from ddp_magics.profile import Profile
 from ddp_magics.protocol import PROFILE_KEY, SKIP_BREAKPOINTS, TRACE_KEY
 from ddp_magics.stacks import BlockedRank
@@ -77,7 +77,7 @@ class CellOutcome:
     outputs: list[RankOutput]
     failures: list[RankFailure]  # ranks that raised (not those that died)
     dead: list[int]  # ranks whose engine process ended
-    deaths: list[DeadRank]
+    deaths: list[RankDeath]
     blocked: list[BlockedRank]  # ranks still running, and where
     trace: Trace | None  # when traced
     profile: Profile | None = None  # when profiled
@@ -241,10 +241,10 @@ class CellRun:
             release_problem=release_problem,
         )
 
-    def _death(self, rank: int) -> DeadRank:
+    def _death(self, rank: int) -> RankDeath:
         how, crash_dump = self.cluster.death_record(rank)
         crashed_at = BlockedRank.from_dump(rank, crash_dump, self.cell) if crash_dump else None
-        return DeadRank(rank, how, crashed_at)
+        return RankDeath(rank, how, crashed_at)
 
     def _trace(self, pending: list[int], dead: list[int], inspections: dict) -> Trace:
         """The cell's trace: what finished ranks published as the cell ended, and what ranks

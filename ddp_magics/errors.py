@@ -25,7 +25,7 @@ def usage_error(message: str) -> UsageError:
 
 
 @dataclass(frozen=True)
-class DeadRank:
+class RankDeath:
     """A rank whose engine process ended during the cell: how, and where its Python was if it
     crashed (as far as the notebook's machine can tell: for engines forked there)."""
 
@@ -52,7 +52,7 @@ class DistributedCellError(Exception):
     blocked: list[BlockedRank] = field(default_factory=list)
     finished: list[int] = field(default_factory=list)
     dead: list[int] = field(default_factory=list)
-    deaths: list[DeadRank] = field(default_factory=list)  # of the dead ranks, as far as known
+    deaths: list[RankDeath] = field(default_factory=list)  # of the dead ranks, as far as known
     timeout: float | None = None
     interrupted: bool = False
     usable: bool = True
@@ -105,7 +105,7 @@ class DistributedCellError(Exception):
             lines.extend("    " + line for line in traceback)
         known = {death.rank: death for death in self.deaths}
         for rank in self.dead:
-            lines.extend(known.get(rank, DeadRank(rank)).lines())
+            lines.extend(known.get(rank, RankDeath(rank)).lines())
         # Ranks stuck at the same place with the same stack share one report (32 ranks in one barrier).
         same_place: dict[tuple[str, tuple[str, ...]], list[int]] = {}
         for blocked in self.blocked:

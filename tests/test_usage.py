@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import re
 import time
@@ -99,10 +100,16 @@ def test_bad_cell_arguments_come_before_the_missing_cluster(ip, magics):
 
 
 @pytest.fixture
-def settings(magics):
-    """The magics, with every setting a test changes put back."""
+def settings(ip, magics):
+    """The magics, with every setting a test changes put back, and the shell's configuration too
+    (%config keeps a refused value there, which the next load of the extension would read)."""
     saved = {name: getattr(magics, name) for name in magics.trait_names(config=True)}
+    saved_config = copy.deepcopy(ip.config.get("DistributedMagics"))
     yield magics
+    if saved_config is None:
+        ip.config.pop("DistributedMagics", None)
+    else:
+        ip.config["DistributedMagics"] = saved_config
     for name, value in saved.items():
         if getattr(magics, name) != value:
             setattr(magics, name, value)

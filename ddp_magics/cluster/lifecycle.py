@@ -36,12 +36,8 @@ from ddp_magics.cluster.records import (
     Progress,
     nccl_shortfall,
 )
-from ddp_magics.cluster.strays import (
-    STOP_GRACE_SECONDS,
-    clusters_root,
-    stop_processes,
-    write_owner,
-)
+from ddp_magics.cluster.stopping import STOP_GRACE_SECONDS, stop_processes
+from ddp_magics.cluster.strays import clusters_root, write_owner
 from ddp_magics.lifetime import (
     LIFELINE_ENV,
     Lifeline,
@@ -76,14 +72,14 @@ class ClusterProcesses:
         return self._controller is not None
 
     @property
-    def forked_here(self) -> bool:
+    def all_engines_here(self) -> bool:
         """Whether the engines are forked by this machine's zygote."""
-        return self.config.engine_launcher == "local"
+        return self.config.engines == "local"
 
     @property
     def silence_ms(self) -> float:
         """How long an engine may go unheard before it counts as dead, whatever the period."""
-        return HEARTBEAT_SILENCE_MS if self.forked_here else self.config.link_loss_seconds * 1000
+        return HEARTBEAT_SILENCE_MS if self.all_engines_here else self.config.link_loss_tolerance * 1000
 
     # ---------------------------------------------------------------------- start
     def start(self, progress: Progress) -> None:
@@ -95,7 +91,7 @@ class ClusterProcesses:
         write_owner(self.workdir)
         self.controller_address = self._choose_controller_address()
         gpus_per_host = {}
-        if self.config.engine_launcher == "ssh":
+        if self.config.engines == "ssh":
             progress(f"reaching {len(self.config.hosts)} hosts over ssh")
             try:
                 gpus_per_host = self._other_hosts.prepare(self.workdir.name)
@@ -110,13 +106,15 @@ class ClusterProcesses:
                     raise ClusterError(problem)
         (self.workdir / "profile" / "security").mkdir(parents=True)
         environment = {"IPYTHONDIR": str(self.workdir / "ipython"), **launch_environment(self.workdir)}
-        if not self.forked_here:  # engines on other hosts cannot watch the kernel's PID: a lifeline instead
+        if (
+            not self.all_engines_here
+        ):  # engines on other hosts cannot watch the kernel's PID: a lifeline instead
             self._lifeline = Lifeline(self.controller_address)
             environment[LIFELINE_ENV] = self._lifeline.environment_value
         config = self._launcher_config(environment)
-        if self.forked_here:  # its import of torch runs while the controller starts
+        if self.all_engines_here:  # its import of torch runs while the controller starts
             self._zygote = Zygote(self.workdir, environment)
-        elif self.config.engine_launcher == "ssh":  # one zygote per host, each over one ssh session
+        elif self.config.engines == "ssh":  # one zygote per host, each over one ssh session
             self._other_hosts.start_zygotes(environment, self.workdir)
         misses = math.ceil(self.silence_ms / self.config.heartbeat_ms)
         self._controller = ipp.Cluster(
@@ -128,21 +126,21 @@ class ClusterProcesses:
                 f"--HeartMonitor.max_heartmonitor_misses={misses}",
             ],
             engines={"local": ZygoteEngineSetLauncher, "ssh": HostZygoteEngineSetLauncher}.get(
-                self.config.engine_launcher, self.config.engine_launcher
+                self.config.engines, self.config.engines
             ),
             delay=0,
             # Engines on other hosts get the connection in their environment, not as a copied file.
-            send_engines_connection_env=not self.forked_here,
+            send_engines_connection_env=not self.all_engines_here,
             load_profile=False,
             log=CLUSTER_LOG,
             config=config,
         )
         per_host = bool(self._other_hosts.zygotes)
         importing = " while torch is imported, once" + (" per host" if per_host else "")
-        progress("starting the controller" + (importing if self.forked_here or per_host else ""))
+        progress("starting the controller" + (importing if self.all_engines_here or per_host else ""))
         self._controller.start_controller_sync()
         self.engines.connect(self._controller)  # while the zygote imports: off the engines' path
-        if self.forked_here:
+        if self.all_engines_here:
             self._wait_for_zygote()
         try:
             self._other_hosts.wait_for_zygotes(ENGINE_TIMEOUT_SECONDS)
@@ -158,20 +156,20 @@ class ClusterProcesses:
 
     def _launcher_config(self, environment: dict[str, str]) -> Config:
         config = Config()
-        python = sys.executable if self.forked_here else self.config.remote_python
+        python = sys.executable if self.all_engines_here else self.config.remote_python
         config.EngineLauncher.engine_cmd = [python, "-m", "ddp_magics.engine"]
         # Nobody reads an engine's history; without it, cells can take the notebook's numbers.
         engine_args = ["--HistoryManager.enabled=False"]
-        if not self.forked_here:  # an engine that hears no controller exits after this
+        if not self.all_engines_here:  # an engine that hears no controller exits after this
             check_ms = self.config.heartbeat_ms + ENGINE_HEARTBEAT_CHECK_EXTRA_MS
             engine_args.append(f"--IPEngine.max_heartbeat_misses={math.ceil(self.silence_ms / check_ms) + 1}")
         config.EngineLauncher.engine_args = engine_args
         config.ControllerLauncher.controller_cmd = [sys.executable, "-m", "ddp_magics.controller"]
         config.BaseLauncher.environment = environment
         config.LocalEngineSetLauncher.delay = 0  # ranks follow engine ids, whatever their order
-        if self.config.engine_launcher == "ssh":
+        if self.config.engines == "ssh":
             self._other_hosts.configure(config, self.workdir)
-        elif self.config.engine_launcher == "mpi":
+        elif self.config.engines == "mpi":
             config.MPILauncher.mpi_cmd = list(self.config.mpi_command) or [_mpiexec()]
             if self.config.hosts:  # MPICH's (hydra's) form
                 hosts = ",".join(f"{host.name}:{host.ranks}" for host in self.config.hosts)
@@ -248,7 +246,7 @@ class ClusterProcesses:
         old_engines = zygote.children(recursive=True) if zygote else []
         progress(f"stopping the {n} engines")
         old_sets = list(self._controller.engines)
-        if self.forked_here:
+        if self.all_engines_here:
             kill_with_their_groups(old_engines)
             self.engines.forget(self.engines.ids)
         else:
@@ -267,16 +265,16 @@ class ClusterProcesses:
         """One new engine per entry of ``locations`` (a host's location; None for this machine)."""
         if not self.restartable_in_place:
             raise ClusterError("the engines' zygote is gone; %dist_restart starts new engines")
-        if self.config.engine_launcher == "ssh":
+        if self.config.engines == "ssh":
             per_host: dict[str, int] = {}
             for location in locations:
                 per_host[location] = per_host.get(location, 0) + 1
             self._controller.start_engines_sync(len(locations), engines=per_host)
-        elif self.forked_here:
+        elif self.all_engines_here:
             self._controller.start_engines_sync(len(locations))
         else:
             raise ClusterError(
-                f"replacing a dead rank is not supported with --engines {self.config.engine_launcher}: "
+                f"replacing a dead rank is not supported with --engines {self.config.engines}: "
                 "%dist_recover --shrink goes on without it, %dist_restart starts new engines"
             )
 

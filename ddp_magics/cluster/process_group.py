@@ -41,7 +41,7 @@ def form(
     n: int,
     hosts: tuple[HostSpec, ...],
     requested_backend: str,
-    pg_timeout: float,
+    process_group_timeout: float,
     controller_address: str,
     progress: Progress,
     one_host: bool = False,
@@ -53,7 +53,7 @@ def form(
     progress("importing torch on the engines")
     port = None
     if one_host:
-        opening = (address_towards(controller_address), n, pg_timeout)  # its probe's address
+        opening = (address_towards(controller_address), n, process_group_timeout)  # its probe's address
         calls = [(engine_ids[0], rank_code.probe_and_open_rendezvous, (controller_address, *opening))]
         calls += [(engine_id, rank_code.probe_engine, (controller_address,)) for engine_id in engine_ids[1:]]
         (first, port), *others = engines.apply_each(calls, lambda index: "importing torch")
@@ -87,7 +87,7 @@ def form(
         ]
     )
     progress(f"forming the {backend} process group")
-    join(engines, backend, pg_timeout, lambda info: rank_code.setup_rank, port)
+    join(engines, backend, process_group_timeout, lambda info: rank_code.setup_rank, port)
     return backend
 
 
@@ -106,7 +106,7 @@ def _host_by_host(hosts: tuple[HostSpec, ...], engine_ids: list[int], probes: li
     return [engine_ids[i] for i in order], [probes[i] for i in order]
 
 
-def setups(ranks: list[RankInfo], backend: str, pg_timeout: float) -> list[protocol.RankSetup]:
+def setups(ranks: list[RankInfo], backend: str, process_group_timeout: float) -> list[protocol.RankSetup]:
     """What makes each engine of ``ranks`` its rank (before rank 0's store listens)."""
     addresses = [info.address for info in ranks]
     host_order = list(dict.fromkeys(addresses))
@@ -119,7 +119,7 @@ def setups(ranks: list[RankInfo], backend: str, pg_timeout: float) -> list[proto
             master_port=0,
             backend=backend,
             device=info.device,
-            timeout_s=pg_timeout,
+            timeout_s=process_group_timeout,
             group_rank=host_order.index(info.address),
             group_world_size=len(host_order),
             local_world_size=addresses.count(info.address),
@@ -132,7 +132,7 @@ def setups(ranks: list[RankInfo], backend: str, pg_timeout: float) -> list[proto
 def join(
     engines: Engines,
     backend: str,
-    pg_timeout: float,
+    process_group_timeout: float,
     joiner: Callable[[RankInfo], Callable],
     port: int | None = None,
 ) -> dict[int, object]:
@@ -145,9 +145,9 @@ def join(
             f"{protocol.rank_label(gone)} died (or lost its link to this machine) just now; "
             "%dist_recover again replaces it, %dist_restart starts new engines"
         )
-    planned = setups(ranks, backend, pg_timeout)
+    planned = setups(ranks, backend, process_group_timeout)
     if port is None:
-        opening = (planned[0].master_addr, len(ranks), pg_timeout)
+        opening = (planned[0].master_addr, len(ranks), process_group_timeout)
         [port] = engines.apply_each(
             [(ranks[0].engine_id, rank_code.open_rendezvous, opening)], lambda _: "opening rank 0's store"
         )

@@ -67,8 +67,8 @@ class RankCluster:
         return self._processes.workdir
 
     @property
-    def forked_here(self) -> bool:
-        return self._processes.forked_here
+    def all_engines_here(self) -> bool:
+        return self._processes.all_engines_here
 
     @property
     def restartable_in_place(self) -> bool:
@@ -91,10 +91,10 @@ class RankCluster:
             self.n,
             self.config.hosts,
             self.config.backend,
-            self.config.pg_timeout,
+            self.config.process_group_timeout,
             self._processes.controller_address,
             progress,
-            one_host=self._processes.forked_here,
+            one_host=self._processes.all_engines_here,
         )
 
     def restart(self, progress: Progress = _no_progress) -> None:
@@ -166,9 +166,10 @@ class RankCluster:
         return [RankStatus(info=info, alive=info.rank not in dead) for info in self.ranks]
 
     def memory(self, busy: list[int]) -> dict[int, protocol.RankMemory | None]:
-        """Each live rank's memory. On this machine a CPU rank's resident memory is read by its
-        PID (busy or not); ranks on GPUs or on other hosts are asked, if idle (``busy`` ranks run
-        a cell), for their resident and CUDA memory. None where it cannot be known."""
+        """Each live rank's memory. On this machine a CPU rank's memory (resident, unique,
+        proportional) is read by its PID (busy or not); ranks on GPUs or on other hosts are
+        asked, if idle (``busy`` ranks run a cell), for theirs and their CUDA memory. None where
+        it cannot be known."""
         dead = set(self.dead_ranks())
         found: dict[int, protocol.RankMemory | None] = {info.rank: None for info in self.ranks}
         to_ask = []
@@ -177,7 +178,9 @@ class RankCluster:
                 continue
             if info.address == LOCAL_HOST and info.device == "cpu":
                 with contextlib.suppress(psutil.Error):
-                    found[info.rank] = protocol.RankMemory(psutil.Process(info.pid).memory_info().rss)
+                    full = psutil.Process(info.pid).memory_full_info()  # /proc/PID/smaps
+                    pss = getattr(full, "pss", None)
+                    found[info.rank] = protocol.RankMemory(full.rss, unique=full.uss, proportional=pss)
             elif info.rank not in busy:
                 to_ask.append(info.rank)
         if to_ask:

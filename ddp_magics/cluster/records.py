@@ -12,7 +12,7 @@ BACKENDS = ("auto", "gloo", "nccl")
 LAUNCHERS = ("local", "ssh", "mpi", "slurm")
 LOCAL_HOST = "127.0.0.1"
 # A short heartbeat period confirms new engines sooner; this much silence still means dead (for
-# engines on this machine: those on other hosts get ``link_loss_seconds``).
+# engines on this machine: those on other hosts get ``link_loss_tolerance``).
 HEARTBEAT_SILENCE_MS = 3000
 # How long engines may take to start, import torch, or answer a set-up call.
 ENGINE_TIMEOUT_SECONDS = 60.0
@@ -66,14 +66,14 @@ class ClusterConfig:
 
     n: int
     backend: str  # one of BACKENDS
-    pg_timeout: float
-    engine_launcher: str  # one of LAUNCHERS
+    process_group_timeout: float
+    engines: str  # one of LAUNCHERS
     hosts: tuple[HostSpec, ...]  # with their addresses resolved; empty for this machine only
     controller_ip: str | None
     heartbeat_ms: int
     # Engines on other hosts may go unheard this long (a network blip) before they count as
     # dead, on the controller's side and on their own (ipyparallel's engine exits then).
-    link_loss_seconds: float
+    link_loss_tolerance: float
     ssh_command: tuple[str, ...]
     remote_python: str
     mpi_command: tuple[str, ...]

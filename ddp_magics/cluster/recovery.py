@@ -30,7 +30,7 @@ class Recoverable(Protocol):
     def ranks(self) -> list[RankInfo]: ...
 
     @property
-    def forked_here(self) -> bool: ...
+    def all_engines_here(self) -> bool: ...
 
     def dead_ranks(self) -> list[int]: ...
 
@@ -92,7 +92,7 @@ def _cut_and_reform(
     progress("cutting the process groups' connections")
     # Just after a network outage, TCP resends only when its back-off timer fires (up to as
     # long as the outage was): ranks on other hosts get as long as a link may be lost.
-    answer_seconds = SIGNAL_SECONDS if cluster.forked_here else cluster.config.link_loss_seconds
+    answer_seconds = SIGNAL_SECONDS if cluster.all_engines_here else cluster.config.link_loss_tolerance
     unreachable = cluster.signal(protocol.CUT_CONNECTIONS_SIGNAL, alive, timeout=answer_seconds)
     if unreachable:
         hosts = sorted({cluster.ranks[rank].host for rank in unreachable})
@@ -118,7 +118,7 @@ def _cut_and_reform(
     answers = process_group.join(
         cluster.engines,
         cluster.backend,
-        cluster.config.pg_timeout,
+        cluster.config.process_group_timeout,
         lambda info: rank_code.setup_rank if info.rank in new else rank_code.rejoin_process_group,
     )
     rejoined = {rank: answer for rank, answer in answers.items() if isinstance(answer, protocol.Rejoined)}
@@ -196,7 +196,7 @@ def _wait_while_ending(
     the cell's code than the last dump, or do not come (a loaded machine), up to a limit that
     grows with the ranks per core. A rank twice in the same place of the cell's code after an
     interrupt is not stopping."""
-    per_core = len(cluster.ranks) / (os.cpu_count() or 1) if cluster.forked_here else 1.0
+    per_core = len(cluster.ranks) / (os.cpu_count() or 1) if cluster.all_engines_here else 1.0
     deadline = time.monotonic() + ENDING_LIMIT_SECONDS + ENDING_SECONDS_PER_RANK_PER_CORE * per_core
     stuck = run.pending_among(ranks, interrupt_grace)
     last: dict[int, list[Frame]] = {}
@@ -220,15 +220,15 @@ def _wait_for_far_answers(
     """Ranks still running ``run`` ``waited`` seconds after an interrupt: a ClusterError at
     once if every engine is on this machine. Ranks on other hosts may have stopped while their
     answer waits for a connection to come back after a network outage (TCP resends only after a
-    back-off, up to as long as the outage): they get up to ``link_loss_seconds``. (Their stacks
+    back-off, up to as long as the outage): they get up to ``link_loss_tolerance``. (Their stacks
     cannot tell: a stack dump asked for during the outage may arrive only now, taken before the
     cut.)"""
-    if cluster.forked_here:
+    if cluster.all_engines_here:
         raise ClusterError(
             f"{protocol.rank_label(stuck)} did not stop within {waited:.0f} s of an interrupt "
             "(stuck in C code that ignores signals?)"
         )
-    link_loss = cluster.config.link_loss_seconds
+    link_loss = cluster.config.link_loss_tolerance
     hosts = ", ".join(sorted({cluster.ranks[rank].host for rank in stuck}))
     progress(f"waiting for {protocol.rank_label(stuck)} on {hosts} to answer (a link coming back?)")
     silent = run.pending_among(stuck, link_loss)

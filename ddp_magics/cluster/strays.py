@@ -12,19 +12,14 @@ import socket
 import time
 from pathlib import Path
 
-import psutil
-
-from ddp_magics.lifetime import Owner, cluster_processes, kill_now, wait_for_exit
+from ddp_magics.cluster.stopping import stop_processes
+from ddp_magics.lifetime import Owner, cluster_processes
 from ddp_magics.private_files import UnsafeDirectory, private_root, write_atomically
 
 CLUSTERS_ROOT_NAME = f"ddp_magics-{os.geteuid()}"  # under the temp directory, private to this user
 OWNER_FILE = "owner"  # the kernel that started the cluster (lifetime.Owner), and its host's name
 # A cluster directory without its owner file is being made, or being removed, for this long at most.
 HALF_MADE_SECONDS = 60
-# How long stopping waits for a step that normally takes milliseconds before forcing it.
-STOP_GRACE_SECONDS = 0.5
-# After SIGKILL, how long a process may take to be gone.
-KILLED_EXIT_SECONDS = 3.0
 
 
 def clusters_root() -> Path:
@@ -38,15 +33,6 @@ def this_host() -> str:
 
 def write_owner(workdir: Path) -> None:
     write_atomically(workdir / OWNER_FILE, f"{Owner.this_process()}\n{this_host()}\n")
-
-
-def stop_processes(
-    processes: list[psutil.Process], grace: float = STOP_GRACE_SECONDS, timeout: float = KILLED_EXIT_SECONDS
-) -> None:
-    """Make sure stopped processes exit, by PID: SIGKILL those still running after ``grace``
-    seconds (all are ours and hold nothing to save)."""
-    kill_now(wait_for_exit(processes, timeout=grace))
-    wait_for_exit(processes, timeout=timeout)
 
 
 def stop_stray_clusters() -> list[str]:
