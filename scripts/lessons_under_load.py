@@ -97,7 +97,7 @@ def run_nbval(path: Path, timeout: float) -> tuple[bool, float, str]:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         output = end(process) + f"\n[lessons_under_load] stopped after the {timeout:.0f} s limit\n"
-    except BaseException:  # ^C: stop the run too
+    except BaseException:  # ^C or SIGTERM: stop the run too
         end(process)
         raise
     return process.returncode == 0, time.monotonic() - start, output
@@ -129,6 +129,10 @@ def main() -> int:
     )
     args = parser.parse_args()
     paths = [lesson_path(name) for name in args.lessons]
+    # ^C and kill end the runs through the finally below. Started in the background, a process inherits SIGINT
+    # ignored, and so would the pytest runs it starts: a handler of its own gives them the default back.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(128 + number))
 
     results: dict[tuple[Path, int], tuple[bool, float]] = {}
     print(
