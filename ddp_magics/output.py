@@ -87,41 +87,55 @@ class RankBlocks:
             if block.result_text:
                 parts.append(html_pre(block.result_text))
             columns.append("".join(parts))
-        return html_columns(columns)
+        return html_columns(columns, [block.text() for block in self.blocks])
 
 
-# Lines are never broken inside a word (JupyterLab's own <pre> style breaks anywhere): columns
-# that do not fit side by side move to the next row, and a line wider than the cell scrolls.
+# Lines are never broken inside a word (JupyterLab's own <pre> style breaks anywhere). The
+# columns are a grid of equal widths, as many to a row as fit, so that they line up from row to
+# row at any number of ranks; a column is as wide as the longest line shown (within limits), and
+# a longer line scrolls inside its column.
 _PRE_STYLE = "white-space:pre;word-break:normal;overflow-wrap:normal;margin:0.2em 0"
-_COLUMN_STYLE = "flex:1 1 auto;min-width:0;max-width:100%;overflow-x:auto"
+_COLUMN_STYLE = "min-width:0;overflow-x:auto"
+MIN_COLUMN_CHARACTERS, MAX_COLUMN_CHARACTERS = 14, 80
+# In the code font, so that a ch is a character of the <pre> inside.
+_GRID_STYLE = (
+    "gap:0.5em 1.5em;font-family:var(--jp-code-font-family,monospace);font-size:var(--jp-code-font-size,13px)"
+)
 
 
 def html_pre(text: str, style: str = "") -> str:
     return f'<pre style="{_PRE_STYLE};{style}">{html.escape(text)}</pre>'
 
 
-def html_columns(columns: list[str]) -> str:
-    """HTML fragments side by side, one column each."""
+def html_columns(columns: list[str], texts: list[str] = ()) -> str:
+    """HTML fragments side by side, one column each, in a grid of equal columns sized to the
+    longest line of ``texts`` (the plain text they show)."""
+    longest = max((len(line) for text in texts for line in text.splitlines()), default=0)
+    width = min(max(longest + 1, MIN_COLUMN_CHARACTERS), MAX_COLUMN_CHARACTERS)
     cells = "".join(f'<div style="{_COLUMN_STYLE}">{column}</div>' for column in columns)
-    return f'<div style="display:flex;flex-wrap:wrap;gap:0.5em 1.5em">{cells}</div>'
+    grid = (
+        f"display:grid;grid-template-columns:repeat(auto-fill,minmax(min({width}ch,100%),1fr));{_GRID_STYLE}"
+    )
+    return f'<div class="ddp-rank-grid" style="{grid}">{cells}</div>'
 
 
 def live_html(outputs: list[RankOutput], pending: set[int], elapsed: float, tail_lines: int) -> str:
     """What a cell still running shows: how long it has run, and each rank's latest output."""
-    columns = []
+    columns, texts = [], []
     for output in outputs:
         state = "running" if output.rank in pending else "finished"
         text = tail(output.stdout, tail_lines, count_dropped=False) + tail(
             output.stderr, tail_lines, count_dropped=False
         )
         columns.append(f"<b>[rank {output.rank}]</b> {state}{html_pre(text)}")
+        texts.append(f"[rank {output.rank}] {state}\n{text}")
     ranks = [output.rank for output in outputs]
     finished = [rank for rank in ranks if rank not in pending]
     header = (
         f"running for {elapsed:.0f} s; finished: {format_ranks(finished) or 'none'}; "
         f"running: {format_ranks(sorted(pending)) or 'none'}"
     )
-    return f"<div>{header}</div>{html_columns(columns)}"
+    return f"<div>{header}</div>{html_columns(columns, texts)}"
 
 
 def group_outputs(outputs: list[RankOutput], collapse: bool) -> list[tuple[list[int], RankOutput]]:
@@ -184,15 +198,28 @@ class StatusTable:
         ]
 
     def _shown(self) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
-        """The columns and rows with each rank's memory (GPU memory where a rank has any)."""
+        """The columns and rows with each rank's memory: unique and proportional where known
+        (else resident), GPU memory where a rank has any."""
         if not self.memory:
             return self.columns, self.rows
-        gpu = any(m is not None and m.cuda_reserved is not None for m in self.memory.values())
-        columns = (*self.columns, "resident", *(["cuda allocated", "cuda reserved"] if gpu else []))
+        known = [m for m in self.memory.values() if m is not None]
+        pages = any(m.unique is not None for m in known)
+        gpu = any(m.cuda_reserved is not None for m in known)
+        columns = (
+            *self.columns,
+            *(["unique", "pss"] if pages else ["resident"]),
+            *(["cuda allocated", "cuda reserved"] if gpu else []),
+        )
         rows = []
         for row in self.rows:
             found = self.memory.get(int(row[0]))
-            cells = [_bytes(found.resident if found else None)]
+            if pages:
+                cells = [
+                    _bytes(found.unique if found else None),
+                    _bytes(found.proportional if found else None),
+                ]
+            else:
+                cells = [_bytes(found.resident if found else None)]
             if gpu:
                 cells += [
                     _bytes(found.cuda_allocated if found else None),
@@ -201,13 +228,29 @@ class StatusTable:
             rows.append((*row, *cells))
         return columns, rows
 
+    def notes(self) -> list[str]:
+        """What the memory columns mean, and the ranks' memory together."""
+        known = [m for m in self.memory.values() if m is not None]
+        if not any(m.unique is not None for m in known):
+            return (
+                ["resident: the process's resident memory (pages shared with other ranks counted in each)"]
+                if known
+                else []
+            )
+        together = sum(m.proportional or 0 for m in known)
+        return [
+            "unique: memory only this rank's process uses (freed if it ended); pss: unique plus its",
+            "share of the pages it shares with the other ranks (forked from one process): the ranks'",
+            f"pss add up to what they take together ({_bytes(together)} here)",
+        ]
+
     def __repr__(self) -> str:
         columns, rows = self._shown()
         widths = [max(len(row[i]) for row in [columns, *rows]) for i in range(len(columns))]
         lines = [f"backend {self.backend}, world size {len(self.rows)}"]
         for row in [columns, *rows]:
             lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
-        return "\n".join(lines)
+        return "\n".join([*lines, *self.notes()])
 
     def _repr_pretty_(self, printer, cycle: bool) -> None:
         printer.text(repr(self))
@@ -218,9 +261,10 @@ class StatusTable:
         body = "".join(
             "<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>" for row in rows
         )
+        notes = f"<p><small>{html.escape(' '.join(self.notes()))}</small></p>" if self.notes() else ""
         return (
             f"<p>backend {html.escape(self.backend)}, world size {len(self.rows)}</p>"
-            f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+            f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>{notes}"
         )
 
 

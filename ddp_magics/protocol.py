@@ -359,9 +359,14 @@ class RankProfile:
 
 @dataclass(frozen=True)
 class RankMemory:
-    """A rank's memory, in bytes: resident (its process's RSS) and, on a GPU, what torch's
-    caching allocator has allocated and reserved on its device (None on CPU)."""
+    """A rank's memory, in bytes: resident (its process's RSS, which counts every page it shares
+    with the other ranks forked from one zygote in full), unique (USS: the pages only it uses,
+    freed if it ended), proportional (PSS: unique plus its share of each shared page; the ranks'
+    add up to what they take together) and, on a GPU, what torch's caching allocator has
+    allocated and reserved on its device (None on CPU). None: not known."""
 
     resident: int
     cuda_allocated: int | None = None
     cuda_reserved: int | None = None
+    unique: int | None = None
+    proportional: int | None = None

@@ -196,15 +196,20 @@ def test_profile_name_checked(ip, cluster):
     assert error is not None and "--profile" in str(error)
 
 
-def test_status_shows_each_ranks_resident_memory(ip, cluster):
+def test_status_shows_each_ranks_unique_and_proportional_memory(ip, cluster):
+    """Ranks forked from one zygote share its pages: resident memory counts them once per rank,
+    so the table shows what only each rank uses (USS) and its share of the rest (PSS)."""
     table = ip.run_line_magic("dist_status", "")
     assert table.columns == ("rank", "host", "pid", "device", "state")  # rows as before
     header, *rows = repr(table).splitlines()[1:]
-    assert header.split()[-1] == "resident" and "cuda" not in header  # no GPU here
+    assert header.split()[-2:] == ["unique", "pss"] and "cuda" not in header  # no GPU here
     for rank, row in zip((0, 1), rows):
-        resident = table.memory[rank].resident
-        assert 50 << 20 < resident < 8 << 30  # an engine with torch imported
-        assert row.endswith(f"{resident / (1 << 20):.1f} MiB")
+        memory = table.memory[rank]
+        assert 0 < memory.unique < memory.proportional < memory.resident < 8 << 30
+        assert row.endswith(f"{memory.unique / (1 << 20):.1f} MiB  {memory.proportional / (1 << 20):.1f} MiB")
+    together = sum(table.memory[rank].proportional for rank in (0, 1)) / (1 << 20)
+    assert f"pss add up to what they take together ({together:.1f} MiB here)" in repr(table)
+    assert "unique: memory only this rank&#x27;s process uses" in table._repr_html_()
 
 
 def test_hanging_cell_reports_as_before_and_keeps_the_finished_ranks_profiles(ip, healthy):

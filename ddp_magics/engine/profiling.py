@@ -234,11 +234,18 @@ def clock() -> float:
 
 
 def memory() -> RankMemory:
-    """This rank's resident memory and, on a GPU, its device's allocated and reserved memory."""
+    """This rank's memory (resident, unique, proportional) and, on a GPU, its device's allocated
+    and reserved memory."""
     import psutil
     import torch
 
-    resident = psutil.Process().memory_info().rss
+    process = psutil.Process()
+    try:
+        full = process.memory_full_info()  # reads /proc/PID/smaps: unique and proportional too
+        pages = {"unique": full.uss, "proportional": getattr(full, "pss", None)}
+        resident = full.rss
+    except psutil.Error:
+        pages, resident = {}, process.memory_info().rss
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return RankMemory(resident)
-    return RankMemory(resident, torch.cuda.memory_allocated(), torch.cuda.memory_reserved())
+        return RankMemory(resident, **pages)
+    return RankMemory(resident, torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), **pages)
