@@ -124,8 +124,8 @@ def live_html(outputs: list[RankOutput], pending: set[int], elapsed: float, tail
     columns, texts = [], []
     for output in outputs:
         state = "running" if output.rank in pending else "finished"
-        text = tail(output.stdout, tail_lines, count_dropped=False) + tail(
-            output.stderr, tail_lines, count_dropped=False
+        text = tail(as_terminal(output.stdout), tail_lines, count_dropped=False) + tail(
+            as_terminal(output.stderr), tail_lines, count_dropped=False
         )
         columns.append(f"<b>[rank {output.rank}]</b> {state}{html_pre(text)}")
         texts.append(f"[rank {output.rank}] {state}\n{text}")
@@ -136,6 +136,18 @@ def live_html(outputs: list[RankOutput], pending: set[int], elapsed: float, tail
         f"running: {format_ranks(sorted(pending)) or 'none'}"
     )
     return f"<div>{header}</div>{html_columns(columns, texts)}"
+
+
+def as_terminal(text: str) -> str:
+    """Each line as a terminal would leave it: what follows its last carriage return (a progress
+    bar's latest frame, where a browser's <pre> would show every frame on a line of its own)."""
+    if "\r" not in text:
+        return text
+    lines = []
+    for line in text.split("\n"):
+        frames = [frame for frame in line.split("\r") if frame]
+        lines.append(frames[-1] if frames else "")
+    return "\n".join(lines)
 
 
 def group_outputs(outputs: list[RankOutput], collapse: bool) -> list[tuple[list[int], RankOutput]]:

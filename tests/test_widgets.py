@@ -136,3 +136,14 @@ def test_rank_columns_are_one_grid_of_equal_widths(world_size):
     assert int(width) == max(longest + 1, 14)
     assert page.count('<div style="min-width:0;overflow-x:auto">') == world_size
     assert "flex" not in page
+
+
+def test_the_live_view_shows_a_progress_bars_latest_frame():
+    """tqdm redraws its bar with carriage returns: the running cell's view shows the last frame,
+    as a terminal would, not every frame on a line of its own."""
+    from ddp_magics.cluster.records import RankOutput
+    from ddp_magics.output import live_html
+
+    frames = "".join(f"\rLoading: {percent}%" for percent in (0, 40, 80)) + "\nnext line\n"
+    page = live_html([RankOutput(0, stderr=frames)], {0}, 2.0, tail_lines=10)
+    assert "Loading: 80%\nnext line" in page and "40%" not in page
