@@ -12,7 +12,9 @@ def load_ipython_extension(ipython) -> None:
 
     magics = DistributedMagics(shell=ipython)
     ipython.register_magics(magics)  # Magics(shell=...) already joined shell.configurables
-    magics.report_strays()
+    from ddp_magics.reports import stray_clusters_stopped
+
+    stray_clusters_stopped()
 
 
 def unload_ipython_extension(ipython) -> None:

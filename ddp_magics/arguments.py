@@ -12,6 +12,8 @@ import re
 import socket
 from typing import Any
 
+from IPython.core.magic_arguments import argument
+
 from ddp_magics.addresses import is_loopback
 from ddp_magics.cluster.process_group import visible_gpu_count
 from ddp_magics.cluster.records import HEARTBEAT_SILENCE_MS, ClusterConfig, HostSpec, nccl_shortfall
@@ -30,6 +32,24 @@ COUNT_LIMITS = {
     "max_output_lines": (0, None),
     "trace_values_limit": (0, None),
 }
+
+
+def ranks_option(help_text: str):
+    """``--ranks SPEC``, as every magic that takes ranks spells it (a ``magic_arguments`` decorator)."""
+    return argument("--ranks", metavar="SPEC", default=None, help=help_text)
+
+
+# ``--timeout SECONDS`` of a cell: how long before its ranks are reported.
+cell_timeout_option = argument(
+    "--timeout", type=float, default=None, help="seconds before a hang is reported (default: cell_timeout)"
+)
+_RANKS_OPTION = re.compile(r"(?:^|\s)--ranks(?:\s+|=)\S+(?=\s|$)")
+
+
+def without_ranks_option(line: str) -> str:
+    """The code of a line whose ``--ranks SPEC`` (before or after the code) was parsed apart."""
+    return _RANKS_OPTION.sub(" ", line).strip()
+
 
 _RANK_RANGE = re.compile(r"\s*(-?[0-9]+)\s*(?:-\s*(-?[0-9]+)\s*)?")
 

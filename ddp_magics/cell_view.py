@@ -9,14 +9,14 @@ from collections.abc import Callable, Generator
 from IPython.core.error import StdinNotImplementedError
 from IPython.display import display
 
-from ddp_magics.cell_run import CellOutcome, Prompt, Tick
+from ddp_magics import reports
+from ddp_magics.cell_run import CellOutcome, CellRun, Prompt, Tick, Waits
 from ddp_magics.cluster.rank_cluster import RankCluster
-from ddp_magics.cluster.records import ClusterError, GroupBroken, Progress
+from ddp_magics.cluster.records import ClusterError, DeadRanks, GroupBroken, Progress
 from ddp_magics.errors import BROKEN_ADVICE, usage_error
 from ddp_magics.live_view import LiveView
 from ddp_magics.output import live_html, render
 from ddp_magics.protocol import rank_label
-from ddp_magics.reports import no_calls_message
 
 LIVE_TAIL_LINES = 12
 
@@ -42,6 +42,35 @@ def with_progress(magic: str, action: Callable[[Progress], object], shell) -> ob
         raise usage_error(f"{magic} failed: {error}{broken}") from None
     finally:
         live.close()
+
+
+def run(
+    cluster: RankCluster,
+    cell: str,
+    ranks: list[int],
+    waits: Waits,
+    trace_values_limit: int | None,
+    profiled: bool,
+    shell,
+) -> CellOutcome:
+    """Send the cell (a one-line error if it cannot be: a dead rank, tracing or profiling that
+    does not start) and follow it to its outcome."""
+    try:
+        cell_run = CellRun(
+            cluster,
+            cell,
+            ranks,
+            cell_number(shell),
+            waits,
+            trace_values_limit=trace_values_limit,
+            input_allowed=input_allowed(shell),
+            profiled=profiled,
+        )
+    except DeadRanks as dead:
+        raise reports.dead_ranks_error(dead.ranks) from None
+    except ClusterError as error:
+        raise usage_error(f"{'--profile' if profiled else '--trace/--diagram'}: {error}") from None
+    return follow(cell_run.steps(), shell)
 
 
 def follow(steps: Generator[Tick | Prompt, str | None, CellOutcome], shell) -> CellOutcome:
@@ -97,7 +126,7 @@ def show(outcome: CellOutcome, collapse_identical: bool, max_output_lines: int, 
         if outcome.trace.steps:
             display(outcome.trace.draw())
         else:
-            print(no_calls_message(outcome))
+            print(reports.no_calls_message(outcome))
     if outcome.profile is not None:
         print(outcome.profile.text())
         if any(outcome.profile.spans.values()):

@@ -9,20 +9,24 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import re
 
-from IPython.core.magic import Magics, cell_magic, line_magic, magics_class, no_var_expand
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic import (
+    Magics,
+    cell_magic,
+    line_magic,
+    magics_class,
+    no_var_expand,
+    output_can_be_silenced,
+)
+from IPython.core.magic_arguments import argument, kwds, magic_arguments, parse_argstring
 
 from ddp_magics import arguments, cell_view, reports
-from ddp_magics.cell_run import CellRun, Waits
+from ddp_magics.cell_run import Waits
 from ddp_magics.cluster.rank_cluster import RankCluster
-from ddp_magics.cluster.records import BACKENDS, LAUNCHERS, ClusterConfig, ClusterError, DeadRanks, Recovery
-from ddp_magics.cluster.strays import stop_stray_clusters
+from ddp_magics.cluster.records import BACKENDS, LAUNCHERS, ClusterConfig, ClusterError
 from ddp_magics.diff import describe_differences
-from ddp_magics.errors import BROKEN_ADVICE, RESTART_ADVICE, usage_error
+from ddp_magics.errors import usage_error
 from ddp_magics.output import StatusTable
-from ddp_magics.protocol import rank_label
 from ddp_magics.settings import Settings
 
 
@@ -35,13 +39,8 @@ class DistributedMagics(Magics, Settings):
         self.cluster: RankCluster | None = None
         self._config: ClusterConfig | None = None  # the last %dist_start's, for %dist_restart
         self._restart_failed = False  # the last %dist_restart failed, stopping the cluster
-        self._last_raised: list[int] = []  # the ranks that raised in the last cell that failed
-        # The last %dist_recover's: per rank, names holding a destroyed group; the ends of the
-        # connections it cut (on every rank).
-        self._stale: dict[int, tuple[tuple[str, str], ...]] = {}
-        self._cut_peers: frozenset[str] = frozenset()
+        self.last = reports.LastOutcome()  # what later cells and magics need of earlier ones
 
-    # ------------------------------------------------------------------ lifecycle
     @magic_arguments()
     @argument("-n", type=int, default=None, help="number of ranks (default: GPUs, else 2)")
     @argument("--backend", choices=BACKENDS, default=None, help="process group backend")
@@ -64,13 +63,10 @@ class DistributedMagics(Magics, Settings):
         """
         args = parse_argstring(self.dist_start, line)
         if self.cluster is not None:
-            print(
-                f"A cluster of {self.cluster.n} ranks ({self.cluster.backend}) is already "
-                "running; use %dist_restart for new engines or %dist_stop first."
-            )
+            print(reports.already_running(self.cluster))
             return
         config = arguments.start_config(args, self)
-        self.report_strays()
+        reports.stray_clusters_stopped()
         self._start(config)
 
     def _start(self, config: ClusterConfig) -> None:
@@ -102,7 +98,7 @@ class DistributedMagics(Magics, Settings):
 
     def _stop_cluster(self) -> None:
         cluster, self.cluster = self.cluster, None
-        self._stale, self._cut_peers = {}, frozenset()
+        self.last = reports.LastOutcome()
         if cluster is not None:
             cluster.stop()
             atexit.unregister(cluster.stop)
@@ -122,7 +118,7 @@ class DistributedMagics(Magics, Settings):
             raise usage_error("No cluster to restart: start one with %dist_start")
         if self.cluster is not None and self.cluster.restartable_in_place:
             # The controller and the zygote stay: only the engines are new.
-            self._stale, self._cut_peers = {}, frozenset()
+            self.last = reports.LastOutcome()
             try:
                 cell_view.with_progress("%dist_restart", self.cluster.restart, self.shell)
             finally:
@@ -156,7 +152,7 @@ class DistributedMagics(Magics, Settings):
         """
         args = parse_argstring(self.dist_recover, line)
         if self.cluster is None:
-            raise self._no_cluster()
+            raise reports.no_cluster_error(self._restart_failed)
         cluster = self.cluster
         done = cell_view.with_progress(
             "%dist_recover",
@@ -165,33 +161,12 @@ class DistributedMagics(Magics, Settings):
         )
         if done.dropped:
             self._config = dataclasses.replace(self._config, n=done.world_size)
-        self._remember_recovery(done)
+        self.last = self.last.after_recovery(done)
         print(reports.recovery_report(done, cluster.backend))
 
-    def _remember_recovery(self, done: Recovery) -> None:
-        """What holds a destroyed group now, and which connections were cut (see reports)."""
-        self._stale, self._cut_peers = done.stale, frozenset().union(*done.cut_peers.values())
-
-    @staticmethod
-    def _dead(ranks: list[int]) -> Exception:
-        return usage_error(f"{rank_label(ranks)} died (engine process gone). {RESTART_ADVICE}")
-
-    def _no_cluster(self) -> Exception:
-        if self._restart_failed:
-            return usage_error(
-                "No cluster is running: the last %dist_restart failed and stopped it (nothing of it is "
-                "left); %dist_restart starts it again as it was"
-            )
-        return usage_error("No cluster is running: start one with %dist_start")
-
-    def report_strays(self) -> None:
-        for report in stop_stray_clusters():
-            print(f"ddp_magics: {report}.")
-
-    # -------------------------------------------------------------------- running
     @magic_arguments()
-    @argument("--ranks", default=None, help="ranks to run on, e.g. 0 or 0,2 or 1-3 (default: all)")
-    @argument("--timeout", type=float, default=None, help="seconds before a hang is reported")
+    @arguments.ranks_option("ranks to run on, e.g. 0 or 0,2 or 1-3 (default: all)")
+    @arguments.cell_timeout_option
     @argument("--diagram", action="store_true", help="draw the torch.distributed calls the cell made")
     @argument("--trace", metavar="NAME", default=None, help="keep the cell's trace in variable NAME")
     @argument("--profile", metavar="NAME", default=None, help="torch.profiler on every rank; keep it in NAME")
@@ -208,31 +183,16 @@ class DistributedMagics(Magics, Settings):
             print(t)
         """
         args = parse_argstring(self.distributed, line)
-        if args.trace is not None:
-            arguments.variable_name("--trace", args.trace)
-        if args.profile is not None:
-            arguments.variable_name("--profile", args.profile)
+        for option in ("trace", "profile"):
+            if getattr(args, option) is not None:
+                arguments.variable_name(f"--{option}", getattr(args, option))
         timeout = arguments.timeout_or("--timeout", args.timeout, self.cell_timeout)
         cluster = self._ready_cluster(check_dead=False)  # sending the cell checks
         ranks = arguments.chosen_ranks(args.ranks, cluster.n)
-        traced = args.diagram or args.trace is not None
         waits = Waits(timeout, self.error_grace, self.interrupt_grace, self.live_view_after)
-        try:
-            run = CellRun(
-                cluster,
-                cell,
-                ranks,
-                cell_view.cell_number(self.shell),
-                waits,
-                trace_values_limit=self.trace_values_limit if traced else None,
-                input_allowed=cell_view.input_allowed(self.shell),
-                profiled=args.profile is not None,
-            )
-        except DeadRanks as dead:
-            raise self._dead(dead.ranks) from None
-        except ClusterError as error:
-            raise usage_error(f"{'--profile' if args.profile else '--trace/--diagram'}: {error}") from None
-        outcome = cell_view.follow(run.steps(), self.shell)
+        values_limit = self.trace_values_limit if args.diagram or args.trace is not None else None
+        profiled = args.profile is not None
+        outcome = cell_view.run(cluster, cell, ranks, waits, values_limit, profiled, self.shell)
         cell_view.show(outcome, self.collapse_identical, self.max_output_lines, args.diagram)
         if args.trace is not None:
             self.shell.user_ns[args.trace] = outcome.trace
@@ -240,30 +200,26 @@ class DistributedMagics(Magics, Settings):
             self.shell.user_ns[args.profile] = outcome.profile
         if outcome.clean:
             return
-        self._last_raised = sorted(failure.rank for failure in outcome.failures)
-        error = reports.cell_error(outcome, self._stale, self._cut_peers)
-        if outcome.recovery is not None:  # the ranks that waited were released
-            self._remember_recovery(outcome.recovery)
+        error = reports.cell_error(outcome, self.last)
+        self.last = self.last.after_failed_cell(outcome)
         raise error
 
     def _ready_cluster(self, check_dead: bool = True) -> RankCluster:
         """The running cluster, if every rank can take a new cell."""
         if self.cluster is None:
-            raise self._no_cluster()
+            raise reports.no_cluster_error(self._restart_failed)
         if self.cluster.broken:
-            raise usage_error(
-                f"The ranks are not one process group since {self.cluster.broken}. {BROKEN_ADVICE}"
-            )
+            raise reports.broken_error(self.cluster.broken)
         dead = self.cluster.dead_ranks() if check_dead else []
         if dead:
-            raise self._dead(dead)
+            raise reports.dead_ranks_error(dead)
         busy = self.cluster.busy_ranks()
         if busy:
-            raise usage_error(f"{rank_label(busy)} still running an earlier cell. {RESTART_ADVICE}")
+            raise reports.busy_error(busy)
         return self.cluster
 
-    # ----------------------------------------------------------------- inspecting
     @magic_arguments()
+    @output_can_be_silenced
     @line_magic
     def dist_status(self, line: str) -> StatusTable:
         """Ranks, hosts, PIDs, devices, backend, whether each rank is alive, and its memory.
@@ -274,7 +230,7 @@ class DistributedMagics(Magics, Settings):
         """
         parse_argstring(self.dist_status, line)
         if self.cluster is None:
-            raise self._no_cluster()
+            raise reports.no_cluster_error(self._restart_failed)
         busy = self.cluster.busy_ranks()
         memory = self.cluster.memory(busy)
         return StatusTable(self.cluster.backend, self.cluster.status(), busy, memory)
@@ -298,6 +254,7 @@ class DistributedMagics(Magics, Settings):
 
     @magic_arguments()
     @argument("name", metavar="NAME", help="the variable to read on every rank")
+    @output_can_be_silenced
     @line_magic
     def dist_pull(self, line: str) -> dict:
         """Every rank's value of a variable, as ``{rank: value}``.
@@ -313,7 +270,6 @@ class DistributedMagics(Magics, Settings):
         except ClusterError as error:
             raise usage_error(f"%dist_pull: {error}") from None
 
-    # ------------------------------------------------------------------ debugging
     @magic_arguments()
     @argument("--rank", type=int, default=None, help="the rank to debug (default: the lowest that raised)")
     @argument("-c", dest="commands", default=None, help="pdb commands separated by ';', run without a prompt")
@@ -331,9 +287,9 @@ class DistributedMagics(Magics, Settings):
         args = parse_argstring(self.dist_debug, line)
         cluster = self._ready_cluster()
         if args.rank is None:
-            if not self._last_raised:
+            if not self.last.raised:
                 raise usage_error("%dist_debug: no rank raised in the last failed cell; name one with --rank")
-            rank = self._last_raised[0]
+            rank = self.last.raised[0]
         else:
             rank = arguments.parse_rank_spec(str(args.rank), cluster.n)[0]
         try:
@@ -342,24 +298,25 @@ class DistributedMagics(Magics, Settings):
             raise usage_error(f"%dist_debug: {error}") from None
 
     @magic_arguments()
-    @argument("expression", nargs="*", metavar="EXPR", help="a Python expression, evaluated on each rank")
-    @argument("--ranks", default=None, help="ranks to compare, e.g. 0-1 (default: all); after EXPR")
+    @arguments.ranks_option("ranks to compare, e.g. 0-1 (default: all)")
+    @kwds(epilog="The rest of the line is EXPR, a Python expression evaluated on each rank, as typed.")
     @no_var_expand
     @line_magic
     def dist_diff(self, line: str) -> None:
         """Evaluate EXPR on every rank (or --ranks) and show where the ranks agree and where they
         differ (tensors, numbers, containers, a module's parameters and buffers, an optimizer's
-        state), each rank against the lowest. EXPR is taken as typed.
+        state), each rank against the lowest. Options first, as %debug takes them (after EXPR
+        also works); EXPR is the rest of the line, as typed.
 
         Example::
 
             %dist_diff model
-            %dist_diff optimizer.state_dict() --ranks 0-1
+            %dist_diff --ranks 0-1 optimizer.state_dict()
         """
-        expression, options = re.fullmatch(r"\s*(.*?)((?:\s+--ranks\s+\S+)?)\s*", line, re.DOTALL).groups()
+        spec = parse_argstring(self.dist_diff, line, partial=True)[0].ranks
+        expression = arguments.without_ranks_option(line)
         if not expression:
             raise usage_error("%dist_diff needs an expression, e.g. %dist_diff model")
-        spec = parse_argstring(self.dist_diff, options).ranks
         cluster = self._ready_cluster()
         try:
             snapshots = cluster.snapshots(arguments.chosen_ranks(spec, cluster.n), expression)
@@ -367,7 +324,6 @@ class DistributedMagics(Magics, Settings):
             raise usage_error(f"%dist_diff {expression}: {error}") from None
         print("\n".join(describe_differences(expression, snapshots)))
 
-    # --------------------------------------------------------------------- helpers
     def shutdown(self) -> None:
         """Stop the cluster (used by %unload_ext)."""
         self._stop_cluster()

@@ -3,13 +3,73 @@ failure (:class:`~ddp_magics.errors.DistributedCellError`) built from its outcom
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from dataclasses import dataclass, field
+
+from IPython.core.error import UsageError
 
 from ddp_magics.cell_run import INTERRUPTED, TIMEOUT, CellOutcome
 from ddp_magics.cluster.rank_cluster import RankCluster
 from ddp_magics.cluster.records import RankFailure, Recovery
-from ddp_magics.errors import BROKEN_ADVICE, DistributedCellError
+from ddp_magics.cluster.strays import stop_stray_clusters
+from ddp_magics.errors import BROKEN_ADVICE, RESTART_ADVICE, DistributedCellError, usage_error
 from ddp_magics.protocol import DEBUGGER_QUIT, rank_label
+
+
+@dataclass(frozen=True)
+class LastOutcome:
+    """What the magics keep of earlier cells, as ipyparallel keeps ``last_result``: the ranks that
+    raised in the last cell that failed (``%dist_debug``'s default), and what the last recovery
+    left: per rank, names holding a destroyed group, and the ends of the connections it cut."""
+
+    raised: tuple[int, ...] = ()
+    stale: dict[int, tuple[tuple[str, str], ...]] = field(default_factory=dict)
+    cut_peers: frozenset[str] = frozenset()
+
+    def after_recovery(self, done: Recovery) -> LastOutcome:
+        return dataclasses.replace(
+            self, stale=done.stale, cut_peers=frozenset().union(*done.cut_peers.values())
+        )
+
+    def after_failed_cell(self, outcome: CellOutcome) -> LastOutcome:
+        """A failed cell's raising ranks; its release, if the ranks that waited were released."""
+        last = dataclasses.replace(self, raised=tuple(sorted(failure.rank for failure in outcome.failures)))
+        return last.after_recovery(outcome.recovery) if outcome.recovery is not None else last
+
+
+def no_cluster_error(restart_failed: bool) -> UsageError:
+    if restart_failed:
+        return usage_error(
+            "No cluster is running: the last %dist_restart failed and stopped it (nothing of it is "
+            "left); %dist_restart starts it again as it was"
+        )
+    return usage_error("No cluster is running: start one with %dist_start")
+
+
+def dead_ranks_error(ranks: list[int]) -> UsageError:
+    return usage_error(f"{rank_label(ranks)} died (engine process gone). {RESTART_ADVICE}")
+
+
+def busy_error(ranks: list[int]) -> UsageError:
+    return usage_error(f"{rank_label(ranks)} still running an earlier cell. {RESTART_ADVICE}")
+
+
+def broken_error(why: str) -> UsageError:
+    return usage_error(f"The ranks are not one process group since {why}. {BROKEN_ADVICE}")
+
+
+def stray_clusters_stopped() -> None:
+    """Stop this user's clusters whose kernel is gone, saying so."""
+    for report in stop_stray_clusters():
+        print(f"ddp_magics: {report}.")
+
+
+def already_running(cluster: RankCluster) -> str:
+    return (
+        f"A cluster of {cluster.n} ranks ({cluster.backend}) is already running; use %dist_restart "
+        "for new engines or %dist_stop first."
+    )
 
 
 def start_summary(cluster: RankCluster) -> str:
@@ -70,13 +130,13 @@ def no_calls_message(outcome: CellOutcome) -> str:
     return "--diagram: the cell made no torch.distributed calls"
 
 
-def cell_error(
-    outcome: CellOutcome, stale: dict[int, tuple[tuple[str, str], ...]], cut_peers: frozenset[str]
-) -> DistributedCellError:
-    """The failure of a cell that did not end cleanly on every rank; ``stale`` and ``cut_peers``
-    are what the last %dist_recover left (names holding old groups, the connections it cut)."""
+def cell_error(outcome: CellOutcome, last: LastOutcome) -> DistributedCellError:
+    """The failure of a cell that did not end cleanly on every rank; ``last`` says what the last
+    recovery left (names holding old groups, the connections it cut)."""
     return DistributedCellError(
-        failures=[_shown(failure, stale.get(failure.rank, ()), cut_peers) for failure in outcome.failures],
+        failures=[
+            _shown(failure, last.stale.get(failure.rank, ()), last.cut_peers) for failure in outcome.failures
+        ],
         blocked=outcome.blocked,
         finished=outcome.finished,
         dead=outcome.dead,

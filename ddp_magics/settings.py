@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 
-from traitlets import Bool, Dict, Enum, Float, Integer, List, TraitError, Unicode, validate
+from traitlets import Bool, Dict, Enum, Float, Integer, List, TraitError, Unicode, default, validate
 from traitlets.config import Configurable
 
 from ddp_magics import arguments
@@ -68,7 +68,6 @@ class Settings(Configurable):
         help="Traced tensors with at most this many elements keep their values.",
     )
     max_local_ranks = Integer(
-        max(64, 8 * (os.cpu_count() or 1)),
         config=True,
         help="Most ranks %dist_start runs on this machine (local engines), each a Python process with torch.",
     )
@@ -87,7 +86,6 @@ class Settings(Configurable):
     )
     ssh_command = List(Unicode(), ["ssh"], config=True, help="ssh command (and options) for --engines ssh.")
     remote_python = Unicode(
-        sys.executable,
         config=True,
         help="Python that runs the engines on other hosts (by default this one's path).",
     )
@@ -99,6 +97,14 @@ class Settings(Configurable):
     mpi_command = List(
         Unicode(), [], config=True, help="mpiexec command for --engines mpi (default: the mpi extra's MPICH)."
     )
+
+    @default("max_local_ranks")
+    def _eight_per_core(self) -> int:
+        return max(64, 8 * (os.cpu_count() or 1))
+
+    @default("remote_python")
+    def _this_python(self) -> str:
+        return sys.executable
 
     @validate("cell_timeout", "process_group_timeout", "link_loss_tolerance")
     def _usable_timeout(self, proposal):

@@ -48,13 +48,17 @@ def test_diff_shows_where_ranks_agree_and_differ(ip, healthy):
     )
     assert "differs (rank 1: max |a-b| 3, first at [1])" in line_magic(ip, "dist_diff", "scaled")
     assert "shape differs on rank 1: rank 1 (3,)" in line_magic(ip, "dist_diff", "shapes")
-    assert line_magic(ip, "dist_diff", "settings --ranks 0-1") == (
+    settings_report = (
         "settings (dict) on ranks 0,1, each compared with rank 0:\n"
         "  lr        equal: 0.1\n"
         "  steps[0]  equal: 10\n"
         "  steps[1]  differs on rank 1: rank 0 10, rank 1 11\n"
         "1 of 3 entries differ.\n"
     )
+    # Options first, as %debug takes them; after EXPR too.
+    assert line_magic(ip, "dist_diff", "--ranks 0-1 settings") == settings_report
+    assert line_magic(ip, "dist_diff", "settings --ranks 0-1") == settings_report
+    assert line_magic(ip, "dist_diff", "--ranks=0-1 settings") == settings_report
     optimizer = "opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)\n"
     optimizer += "model(torch.ones(1, 3)).sum().backward()\nopt.step()"
     assert run_cell(ip, "", optimizer)[1] is None

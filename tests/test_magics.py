@@ -114,6 +114,15 @@ def test_status_lists_ranks(ip, cluster):
     assert pids == {info.pid for info in cluster.cluster.ranks}
 
 
+@pytest.mark.parametrize("line", ["%dist_status", "%dist_pull rank"])
+def test_a_semicolon_silences_status_and_pull_as_for_any_expression(ip, cluster, line):
+    with capture_output() as shown:
+        ip.run_cell(line)
+    with capture_output() as silenced:
+        ip.run_cell(line + ";")
+    assert (shown.outputs or shown.stdout) and not (silenced.outputs or silenced.stdout)
+
+
 def test_dist_start_while_running_says_so(ip, cluster):
     before = cluster.cluster
     with capture_output() as captured:
