@@ -9,12 +9,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ddp_magics.protocol import TraceEvent, group_label, rank_label
 
-if TYPE_CHECKING:
-    from ddp_magics.matching import Step
+
+class Collective(Protocol):
+    """What the checks need of one collective across its group (a ``matching.Step``)."""
+
+    events: dict[int, TraceEvent]  # rank -> its call
+    group: tuple[int, ...]
+    index: int  # its position among the group's collectives
+
+    @property
+    def missing(self) -> list[int]: ...
+
+    @property
+    def op(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -41,7 +52,7 @@ RECV_WITHOUT_SEND = "recv without send"
 SIZE_MISMATCH = "send and recv sizes differ"
 
 
-def collective_mismatches(step: Step, traced: set[int]) -> list[Mismatch]:
+def collective_mismatches(step: Collective, traced: set[int]) -> list[Mismatch]:
     found = []
     events = step.events
     mesh_dim = next((event.mesh_dim for event in events.values() if event.mesh_dim), None)

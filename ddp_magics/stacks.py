@@ -1,4 +1,5 @@
-"""Reading faulthandler's stack dumps: where each rank that did not finish is."""
+"""Where each rank that did not finish is, as a report shows it (read from its stack dump:
+:mod:`ddp_magics.stack_dumps`)."""
 
 from __future__ import annotations
 
@@ -7,65 +8,14 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-
-@dataclass(frozen=True)
-class Frame:
-    filename: str
-    line: int
-    function: str
-
-
-_THREAD_HEADER = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)", re.MULTILINE)
-_FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>\S+)', re.MULTILINE)
-_DIST_API_FILE = "torch/distributed/distributed_c10d.py"
-
-
-def parse_stack_dump(dump: str) -> list[list[Frame]]:
-    """faulthandler's text -> one frame list per thread, most recent call first."""
-    starts = [match.start() for match in _THREAD_HEADER.finditer(dump)] or [0]
-    threads = []
-    for begin, end in zip(starts, [*starts[1:], len(dump)]):
-        frames = [
-            Frame(match["file"], int(match["line"]), match["func"])
-            for match in _FRAME.finditer(dump[begin:end])
-        ]
-        if frames:
-            threads.append(frames)
-    return threads
-
-
-def cell_frames(threads: list[list[Frame]]) -> list[Frame]:
-    """The frames of the thread running the cell, from the cell inwards (most recent last)."""
-    for frames in threads:
-        for index, frame in enumerate(frames):
-            if frame.function == "run_code" and frame.filename.endswith("interactiveshell.py"):
-                return list(reversed(frames[:index]))
-    return []
-
-
-def in_a_collective(threads: list[list[Frame]]) -> bool:
-    """Whether the thread running the cell is in a torch.distributed call, or in backward (where
-    DDP's reducer waits for its all-reduces)."""
-    return _communicating(cell_frames(threads))
-
-
-def _communicating(frames: list[Frame] | tuple[Frame, ...]) -> bool:
-    return any(
-        frame.filename.endswith(_DIST_API_FILE) or frame.function == _AUTOGRAD_ENGINE_CALL for frame in frames
-    )
-
-
-def formatting_an_error(threads: list[list[Frame]]) -> bool:
-    """Whether the thread running the cell is in IPython showing the cell's error (the cell has
-    raised and is about to end), not in the cell's code."""
-    for frames in threads:
-        for index, frame in enumerate(frames):
-            if frame.function == "run_code" and frame.filename.endswith("interactiveshell.py"):
-                return any(
-                    inner.filename.endswith("ultratb.py") or "/stack_data/" in inner.filename
-                    for inner in frames[:index]
-                )
-    return False
+from ddp_magics.stack_dumps import (
+    AUTOGRAD_ENGINE_CALL,
+    DIST_API_FILE,
+    Frame,
+    cell_frames,
+    communicating,
+    parse_stack_dump,
+)
 
 
 @dataclass(frozen=True)
@@ -90,7 +40,7 @@ class BlockedRank:
         cell_line = frames[0].line
         lines = cell.splitlines()
         source = lines[cell_line - 1].strip() if 0 < cell_line <= len(lines) else None
-        dist_calls = [frame.function for frame in frames if frame.filename.endswith(_DIST_API_FILE)]
+        dist_calls = [frame.function for frame in frames if frame.filename.endswith(DIST_API_FILE)]
         return cls(
             rank=rank,
             cell_line=cell_line,
@@ -104,7 +54,7 @@ class BlockedRank:
     def in_communication(self) -> bool:
         """Whether it waits in a torch.distributed call (or in backward, where DDP's reducer
         waits for its all-reduces), as far as its stack or its trace tell."""
-        return self.traced_call is not None or _communicating(self.frames)
+        return self.traced_call is not None or communicating(self.frames)
 
     def where(self) -> str:
         """``in all_reduce at cell line 3``, as far as it is known."""
@@ -113,7 +63,7 @@ class BlockedRank:
             parts.append(f"in {self.traced_call}")
         elif self.dist_call:
             parts.append(f"in {self.dist_call}")
-        elif self.frames and self.frames[-1].function == _AUTOGRAD_ENGINE_CALL:
+        elif self.frames and self.frames[-1].function == AUTOGRAD_ENGINE_CALL:
             parts.append("in backward")
         if self.cell_line is not None:
             parts.append(f"at cell line {self.cell_line}")
@@ -125,7 +75,7 @@ class BlockedRank:
         lines = []
         if self.source_line is not None:
             lines.append(f"    line {self.cell_line}: {self.source_line}")
-        if not self.traced_call and self.frames and self.frames[-1].function == _AUTOGRAD_ENGINE_CALL:
+        if not self.traced_call and self.frames and self.frames[-1].function == AUTOGRAD_ENGINE_CALL:
             lines.append(
                 "    (in backward's C++ code, where DDP's reducer all-reduces gradients: "
                 "%%distributed --trace names the call it waits in)"
@@ -155,7 +105,5 @@ def short_path(filename: str, cell_file: str) -> str:
     return filename[standard_library.end() :] if standard_library else filename
 
 
-# torch.autograd.graph's call into the C++ engine: below it, backward's hooks (DDP's reducer).
-_AUTOGRAD_ENGINE_CALL = "_engine_run_backward"
 _STANDARD_LIBRARY = re.compile(r"/lib/python\d+\.\d+/")
 _PACKAGE_DIR = str(Path(__file__).resolve().parent) + os.sep

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 from ddp_magics.engine.inspector import DumpEnd, DumpReader, dump_pipe
 from ddp_magics.errors import DistributedCellError
-from ddp_magics.stacks import parse_stack_dump
+from ddp_magics.stack_dumps import parse_stack_dump
 from tests.conftest import run_cell
 
 THREADS = 32

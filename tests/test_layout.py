@@ -4,6 +4,7 @@ module that talks to ipyparallel."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import ddp_magics
@@ -25,13 +26,13 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imported_modules(path: Path) -> set[str]:
-    """Every module ``path`` imports, at module level or inside functions (not those imported
-    for type annotations only, under ``if TYPE_CHECKING:``)."""
+def imported_modules(path: Path, type_checking: bool = False) -> set[str]:
+    """Every module ``path`` imports, at module level or inside functions (those imported for
+    type annotations only, under ``if TYPE_CHECKING:``, if ``type_checking``)."""
     tree = ast.parse(path.read_text())
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
-            node.body = []
+            node.body = node.body if type_checking else []
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -177,13 +178,14 @@ def test_modules_and_classes_stay_small():
     assert (long_modules, long_classes) == ({}, {})
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Each module of the package -> the modules of the package it imports (anywhere in it)."""
+def import_graph(type_checking: bool = True) -> dict[str, set[str]]:
+    """Each module of the package -> the modules of the package it imports (anywhere in it, for
+    type annotations too unless not ``type_checking``)."""
     modules = {module_name(path): path for path in PACKAGE.rglob("*.py")}
     graph = {}
     for name, path in modules.items():
         imported = set()
-        for target in ours(imported_modules(path)):
+        for target in ours(imported_modules(path, type_checking)):
             # ``from ddp_magics.engine import recorder`` names a module; ``from x import f`` its module.
             while target and target not in modules:
                 target = target.rpartition(".")[0]
@@ -195,7 +197,8 @@ def import_graph() -> dict[str, set[str]]:
 
 def test_the_imports_have_no_cycle():
     """Every import points one way (notebook side: protocol -> matching -> diagrams -> magics;
-    engine side: zygote -> process -> rank), also through imports made inside functions."""
+    engine side: zygote -> process -> rank), also through imports made inside functions and
+    those for type annotations only."""
     graph = import_graph()
     done: set[str] = set()
 
@@ -222,3 +225,53 @@ def test_only_the_cluster_uses_its_launchers_and_hosts():
         if ours(imported_modules(path)) & {"ddp_magics.cluster.launcher", "ddp_magics.cluster.hosts"}
     }
     assert users == {"lifecycle.py", "hosts.py"}
+
+
+def architecture_rows() -> list[tuple[list[str], list[str]]]:
+    """ARCHITECTURE.md's map of the notebook side: per row, its modules and what they may import,
+    as the backticked names of its first and last columns."""
+    text = (PACKAGE.parent / "ARCHITECTURE.md").read_text()
+    table = text.split("## Map of the modules", 1)[1].split("The cluster package", 1)[0]
+    rows = []
+    for line in table.splitlines():
+        if not line.startswith("| `"):
+            continue
+        cells = line.strip().strip("|").split("|")
+        modules = re.findall(r"`([\w/]+?)(?:\.py|/)`", cells[0])
+        allowed = re.findall(r"`([\w./*]+?)/?`", cells[-1])
+        rows.append((modules, allowed))
+    return rows
+
+
+def as_module(name: str) -> str:
+    """``cell_run`` -> ``ddp_magics.cell_run``; ``cluster/`` and ``cluster.*`` -> ``ddp_magics.cluster``."""
+    return "ddp_magics." + name.replace("/", ".").removesuffix(".*").rstrip(".")
+
+
+def test_architecture_says_what_each_module_may_import():
+    """Each row of ARCHITECTURE.md's map names what its modules may import (besides each other,
+    their own package and the shared modules); the code imports nothing else, so the map
+    cannot drift from it."""
+    rows = architecture_rows()
+    assert len(rows) >= 15, rows
+    graph = import_graph(type_checking=True)
+    shared = {*SHARED_MODULES, "ddp_magics.stack_dumps"}
+    listed, wrong = set(), {}
+    for modules, allowed in rows:
+        if "magics" in modules:
+            continue  # everything below it
+        names = [as_module(module) for module in modules]
+        permitted = {*names, *map(as_module, allowed), *shared}
+        for name in names:
+            for path_name in [m for m in graph if m == name or m.startswith(name + ".")]:
+                listed.add(path_name)
+                extra = sorted(
+                    target
+                    for target in graph[path_name]
+                    if not any(target == p or target.startswith(p + ".") for p in permitted)
+                )
+                if extra:
+                    wrong[path_name] = extra
+    assert wrong == {}
+    unlisted = sorted(m for m in graph if ".engine" not in m and m not in listed)
+    assert unlisted == ["ddp_magics", "ddp_magics.magics"], unlisted

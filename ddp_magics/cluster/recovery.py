@@ -14,7 +14,7 @@ from ddp_magics.cluster import process_group
 from ddp_magics.cluster.engines import SIGNAL_SECONDS, CellAnswers, Engines
 from ddp_magics.cluster.records import ClusterConfig, ClusterError, GroupBroken, Progress, RankInfo, Recovery
 from ddp_magics.engine import rank as rank_code
-from ddp_magics.stacks import Frame, cell_frames, formatting_an_error, in_a_collective, parse_stack_dump
+from ddp_magics.stack_dumps import Frame, cell_frames, formatting_an_error, in_a_collective, parse_stack_dump
 
 
 class Recoverable(Protocol):
