@@ -13,7 +13,7 @@ from ddp_magics import reports
 from ddp_magics.cell_run import CellOutcome, CellRun, Prompt, Tick, Waits
 from ddp_magics.cluster.rank_cluster import RankCluster
 from ddp_magics.cluster.records import ClusterError, DeadRanks, GroupBroken, Progress
-from ddp_magics.errors import BROKEN_ADVICE, usage_error
+from ddp_magics.errors import usage_error, ways_out
 from ddp_magics.live_view import LiveView
 from ddp_magics.output import live_html, render
 from ddp_magics.protocol import rank_label
@@ -34,12 +34,11 @@ def with_progress(magic: str, action: Callable[[Progress], object], shell) -> ob
     try:
         return action(progress)
     except ClusterError as error:
-        broken = (
-            f". The ranks are left without a process group: {BROKEN_ADVICE}"
-            if isinstance(error, GroupBroken)
-            else ""
-        )
-        raise usage_error(f"{magic} failed: {error}{broken}") from None
+        if isinstance(error, GroupBroken):
+            advice = f". The ranks are left without a process group: {ways_out(error.ways_out)}."
+        else:
+            advice = f"; {ways_out(error.ways_out)}" if error.ways_out else ""
+        raise usage_error(f"{magic} failed: {error}{advice}") from None
     finally:
         live.close()
 

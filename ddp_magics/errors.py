@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from IPython.core.error import UsageError
 
-from ddp_magics.cluster.records import RankFailure
+from ddp_magics.cluster.records import RECOVER_AGAIN, RESTART, SHRINK, RankFailure
 from ddp_magics.protocol import DEBUGGER_QUIT, rank_label
 from ddp_magics.stacks import BlockedRank
 
@@ -15,8 +15,21 @@ RESTART_ADVICE = (
     "Run %dist_recover to get every rank back with its state (a new process group), "
     "or %dist_restart for new engines."
 )
+# How the magics say each way out of a ClusterError (cluster.records' words).
+WAYS_OUT = {
+    SHRINK: "%dist_recover --shrink goes on without the dead ranks",
+    RESTART: "%dist_restart starts new engines (every rank's state is lost)",
+    RECOVER_AGAIN: "%dist_recover tries again",
+}
+
+
+def ways_out(words: tuple[str, ...]) -> str:
+    """``%dist_restart starts new engines (...); %dist_recover tries again``, each way once."""
+    return "; ".join(WAYS_OUT[word] for word in dict.fromkeys(words))
+
+
 # After a recovery failed part way, when the ranks are no longer one process group.
-BROKEN_ADVICE = "%dist_restart starts new engines (every rank's state is lost); %dist_recover tries again."
+BROKEN_ADVICE = ways_out((RESTART, RECOVER_AGAIN)) + "."
 
 
 def usage_error(message: str) -> UsageError:

@@ -31,6 +31,8 @@ from ddp_magics.cluster.records import (
     ENGINE_TIMEOUT_SECONDS,
     HEARTBEAT_SILENCE_MS,
     LOCAL_HOST,
+    RESTART,
+    SHRINK,
     ClusterConfig,
     ClusterError,
     Progress,
@@ -264,7 +266,7 @@ class ClusterProcesses:
     def start_engines_on(self, locations: list[str]) -> None:
         """One new engine per entry of ``locations`` (a host's location; None for this machine)."""
         if not self.restartable_in_place:
-            raise ClusterError("the engines' zygote is gone; %dist_restart starts new engines")
+            raise ClusterError("the engines' zygote is gone", RESTART)
         if self.config.engines == "ssh":
             per_host: dict[str, int] = {}
             for location in locations:
@@ -274,8 +276,9 @@ class ClusterProcesses:
             self._controller.start_engines_sync(len(locations))
         else:
             raise ClusterError(
-                f"replacing a dead rank is not supported with --engines {self.config.engines}: "
-                "%dist_recover --shrink goes on without it, %dist_restart starts new engines"
+                f"replacing a dead rank is not supported with --engines {self.config.engines}",
+                SHRINK,
+                RESTART,
             )
 
     # ----------------------------------------------------------------------- stop

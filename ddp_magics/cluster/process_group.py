@@ -11,7 +11,15 @@ from pathlib import Path
 from ddp_magics import protocol
 from ddp_magics.addresses import address_towards
 from ddp_magics.cluster.engines import Engines
-from ddp_magics.cluster.records import ClusterError, HostSpec, Progress, RankInfo, nccl_shortfall
+from ddp_magics.cluster.records import (
+    RECOVER_AGAIN,
+    RESTART,
+    ClusterError,
+    HostSpec,
+    Progress,
+    RankInfo,
+    nccl_shortfall,
+)
 from ddp_magics.engine import rank as rank_code
 
 
@@ -142,8 +150,9 @@ def join(
     gone = [info.rank for info in ranks if info.engine_id not in engines.ids]
     if gone:
         raise ClusterError(
-            f"{protocol.rank_label(gone)} died (or lost its link to this machine) just now; "
-            "%dist_recover again replaces it, %dist_restart starts new engines"
+            f"{protocol.rank_label(gone)} died (or lost its link to this machine) just now",
+            RECOVER_AGAIN,
+            RESTART,
         )
     planned = setups(ranks, backend, process_group_timeout)
     if port is None:

@@ -21,8 +21,18 @@ TEXT_ONLY_MIMETYPES = {"text/plain"}
 Progress = Callable[[str], None]
 
 
+# What can get the user past a ClusterError, in the cluster's words; the notebook side says how
+# (ddp_magics.errors.WAYS_OUT).
+RESTART, RECOVER_AGAIN, SHRINK = "restart", "recover again", "shrink"
+
+
 class ClusterError(RuntimeError):
-    """The cluster could not do what was asked (start, reach a rank, ...)."""
+    """The cluster could not do what was asked (start, reach a rank, ...); ``ways_out``: what
+    can get past it (RESTART, RECOVER_AGAIN, SHRINK)."""
+
+    def __init__(self, message: str, *ways_out: str) -> None:
+        super().__init__(message)
+        self.ways_out = ways_out
 
 
 class GroupBroken(ClusterError):

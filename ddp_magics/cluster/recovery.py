@@ -12,7 +12,16 @@ from typing import Protocol
 from ddp_magics import protocol
 from ddp_magics.cluster import process_group
 from ddp_magics.cluster.engines import SIGNAL_SECONDS, CellAnswers, Engines
-from ddp_magics.cluster.records import ClusterConfig, ClusterError, GroupBroken, Progress, RankInfo, Recovery
+from ddp_magics.cluster.records import (
+    RECOVER_AGAIN,
+    RESTART,
+    ClusterConfig,
+    ClusterError,
+    GroupBroken,
+    Progress,
+    RankInfo,
+    Recovery,
+)
 from ddp_magics.engine import rank as rank_code
 from ddp_magics.stack_dumps import Frame, cell_frames, formatting_an_error, in_a_collective, parse_stack_dump
 
@@ -75,7 +84,7 @@ def recover(
         done = _cut_and_reform(cluster, unfinished, shrink, interrupt_grace, progress, dead, alive)
     except ClusterError as error:
         cluster.broken = f"a recovery failed: {error}"
-        raise GroupBroken(str(error)) from None
+        raise GroupBroken(str(error), *error.ways_out, RESTART, RECOVER_AGAIN) from None
     cluster.broken = None
     return done
 
