@@ -161,6 +161,13 @@ def summary_text(profile: Profile) -> str:
         top = ", ".join(f"{name} {_ms(seconds)} x{calls}" for name, calls, seconds in row["top_ops"][:3])
         if top:
             lines.append(f"  top ops: {top}")
+        left_out = profile.profiles[rank].left_out
+        if left_out:
+            kept = len(profile.profiles[rank].slices)
+            lines.append(
+                f"  {left_out} more ranges not kept (a rank keeps its first {kept}): the picture, the "
+                "lanes' totals and the saved files end there; profile fewer steps to see them"
+            )
     for rank, offset in profile.offsets.items():
         if offset is not None:
             bound = profile.offset_bounds[rank] * 1e3

@@ -244,3 +244,18 @@ def test_profile_of_some_ranks_only(ip, cluster):
     assert row["compute"] > 0 and row["communication"] == 0 and row["overlap"] is None
     assert any(name == "aten::mm" for name, _, _ in row["top_ops"])
     assert "rank 1: wall" in profile.text() and "no communication" in profile.text()
+
+
+def test_ranges_left_out_beyond_the_limit_are_said():
+    """A rank keeps at most MAX_SLICES ranges per cell: the summary says how many more there were."""
+    from ddp_magics.profile import Profile
+    from ddp_magics.protocol import ProfiledSlice, RankProfile
+
+    kept = (ProfiledSlice("aten::mm", 10.0, 10.5, 1, COMPUTE),)
+    profiles = {
+        0: RankProfile(0, kept, (("aten::mm", 1, 0.5),), 10.0, 11.0, left_out=7),
+        1: RankProfile(1, kept, (("aten::mm", 1, 0.5),), 10.0, 11.0),
+    }
+    text = Profile(profiles, {0: None, 1: None}).text()
+    assert "  7 more ranges not kept (a rank keeps its first 1)" in text, text
+    assert text.count("more ranges not kept") == 1, text
