@@ -127,15 +127,19 @@ def assert_run_all(ip, lesson: str, wrong: dict[int, str], world_size: int) -> N
 # lesson 04: the ring, not a built-in collective
 
 RING_WRONG = {
-    (1, "built-in all_reduce"): """
-def ring_reduce_scatter(tensor, group=None):
-    dist.all_reduce(tensor, group=group)  # every chunk complete, no ring
-    return (dist.get_rank(group) + 1) % dist.get_world_size(group)
+    (1, "built-in broadcast"): """
+def ring_broadcast(tensor, src, group=None):
+    dist.broadcast(tensor, src=src, group=group)
 """,
-    (1, "the whole ring, both phases"): """
-def ring_reduce_scatter(tensor, group=None):
-    ring_all_reduce(tensor, group)  # 2(n-1) steps where the reduce-scatter takes n-1
-    return (dist.get_rank(group) + 1) % dist.get_world_size(group)
+    (1, "the whole tensor passed on n-1 times, not pipelined chunks"): """
+def ring_broadcast(tensor, src, group=None):
+    me, n = dist.get_rank(group), dist.get_world_size(group)
+    hop = (me - src) % n
+    incoming = torch.empty_like(tensor)
+    for step in range(n - 1):
+        pass_right(tensor, incoming, group)
+        if hop == step + 1:  # the left neighbour had src's values: keep them
+            tensor.copy_(incoming)
 """,
     (2, "built-in all_gather"): """
 def ring_all_gather(chunk, group=None):
@@ -143,9 +147,15 @@ def ring_all_gather(chunk, group=None):
     dist.all_gather(pieces, chunk, group=group)
     return torch.cat(pieces)
 """,
-    (3, "built-in all_reduce MAX"): """
-def ring_all_reduce_max(tensor, group=None):
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    (3, "built-in all_reduce per tensor"): """
+def ring_all_reduce_many(tensors, group=None):
+    for t in tensors:
+        dist.all_reduce(t, group=group)
+""",
+    (3, "one ring per tensor"): """
+def ring_all_reduce_many(tensors, group=None):
+    for t in tensors:
+        ring_all_reduce(t, group)  # 2(n-1) steps each, where one bucket takes 2(n-1) in all
 """,
 }
 
@@ -317,32 +327,87 @@ def test_07_run_all_checks_the_learners_answers(ip, cluster):
     assert_run_all(ip, "07_data_loading", SAMPLER_WRONG, 2)
 
 
-# lesson 08: only rank 0 writes the file
+# lesson 08: rotating checkpoints written atomically by rank 0; every rank's RNG state in rank 0's file
+
+ROTATING = """
+import os
+import re
 
 
-def test_08_only_rank_0_writes_the_loss(ip, cluster, tmp_path):
+def steps_in(folder):
+    return [int(m[1]) for name in os.listdir(folder) if (m := re.fullmatch(r"step(\\d+)\\.pt", name))]
+
+
+def save_rotating(folder, state, step, keep=2):
+    if rank == 0:
+        final = os.path.join(folder, f"step{step}.pt")
+        SAVE
+        for old in sorted(steps_in(folder))[:-keep]:
+            os.remove(os.path.join(folder, f"step{old}.pt"))
+    dist.barrier()
+
+
+def latest_checkpoint(folder):
+    steps = steps_in(folder)
+    return LATEST if steps else None
+"""
+ATOMIC = 'torch.save(state, final + ".tmp"); os.replace(final + ".tmp", final)'
+BY_STEP = 'os.path.join(folder, f"step{max(steps)}.pt")'
+ROTATING_WRONG = {
+    "written straight to its final name": ROTATING.replace("SAVE", "torch.save(state, final)").replace(
+        "LATEST", BY_STEP
+    ),
+    "every checkpoint kept": ROTATING.replace("SAVE", ATOMIC).replace("[:-keep]", "[:0]").replace(
+        "LATEST", BY_STEP
+    ),
+    "the latest by name, not by step": ROTATING.replace("SAVE", ATOMIC).replace(
+        "LATEST", 'os.path.join(folder, max(f"step{s}.pt" for s in steps))'
+    ),
+}
+RNG_WRONG = {
+    "rank 0's state only, loaded by every rank": """
+def save_rng_states(path):
+    if rank == 0:
+        torch.save({"rng": torch.get_rng_state()}, path)
+    dist.barrier()
+
+
+def load_rng_state(path):
+    torch.set_rng_state(torch.load(path)["rng"])
+""",
+    "every rank writes its own file": """
+def save_rng_states(path):
+    torch.save({"rng": torch.get_rng_state()}, f"{path}.rank{rank}")
+    if rank == 0:
+        torch.save({"ranks": world_size}, path)
+    dist.barrier()
+
+
+def load_rng_state(path):
+    torch.set_rng_state(torch.load(f"{path}.rank{rank}")["rng"])
+""",
+}
+
+
+@pytest.fixture
+def ckpt_dir(ip, cluster, tmp_path):
     ip.user_ns["ckpt_dir"] = str(tmp_path)  # as the lesson pushes its checkpoint directory
     with capture_output():
         ip.run_line_magic("dist_push", "ckpt_dir")
     del ip.user_ns["ckpt_dir"]
-    every_rank_writes = """
-def save_with_global_loss(path, loss):
-    global_loss = loss.detach().clone()
-    dist.all_reduce(global_loss)
-    torch.save({"loss": global_loss.item() / world_size}, path)  # on every rank: the right file, N times
-    dist.barrier()
-"""
-    assert_checker(ip, "08_checkpointing", 2, every_rank_writes, 2)
-    no_optimizer = """
-def save_checkpoint(path, model, opt, step):
-    if rank == 0:
-        torch.save({"step": step, "model": model.module.state_dict()}, path)  # no optimizer state
-    dist.barrier()
 
 
-def load_checkpoint(path, model, opt):
-    checkpoint = torch.load(path, map_location=device)
-    model.module.load_state_dict(checkpoint["model"])
-    return checkpoint["step"]
-"""
-    assert_run_all(ip, "08_checkpointing", {1: no_optimizer, 2: every_rank_writes}, 2)
+@pytest.mark.parametrize("wrong", list(ROTATING_WRONG))
+def test_08_rotating_checkpoints_atomic_by_step(ip, cluster, ckpt_dir, wrong):
+    assert_checker(ip, "08_checkpointing", 1, ROTATING_WRONG[wrong], 2)
+
+
+@pytest.mark.parametrize("wrong", list(RNG_WRONG))
+def test_08_every_ranks_rng_state_in_rank_0s_file(ip, cluster, ckpt_dir, wrong):
+    assert_checker(ip, "08_checkpointing", 2, RNG_WRONG[wrong], 2)
+
+
+def test_08_run_all_checks_the_learners_answers(ip, cluster, ckpt_dir):
+    by_name = ROTATING_WRONG["the latest by name, not by step"]
+    wrong = {1: by_name, 2: RNG_WRONG["every rank writes its own file"]}
+    assert_run_all(ip, "08_checkpointing", wrong, 2)
