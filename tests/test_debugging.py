@@ -304,3 +304,70 @@ def test_code_in_a_magic_line_reaches_the_ranks_as_typed(ip, healthy):
     assert isinstance(error, DistributedCellError)
     shown = line_magic(ip, "dist_debug", """-c "p {x}, '$x'" """)
     assert "({7}, '$x')" in shown.splitlines(), shown
+
+
+def front_end_view(messages: list[dict]) -> list[str]:
+    """What a notebook shows of a cell at its end, from its iopub messages as JupyterLab applies
+    them: ``clear_output`` (at once, or with ``wait`` at the next output), displays updated in
+    place by their id; each output as text (a widget view as ``widget:<model id>``)."""
+    shown: list[tuple[str | None, str]] = []
+    clear_at_next = False
+    for message in messages:
+        kind, content = message["msg_type"], message["content"]
+        if kind == "clear_output":
+            if content.get("wait"):
+                clear_at_next = True
+            else:
+                shown.clear()
+            continue
+        if kind not in ("stream", "display_data", "update_display_data", "error", "execute_result"):
+            continue
+        if clear_at_next:
+            shown.clear()
+            clear_at_next = False
+        if kind == "stream":
+            text = content["text"]
+        elif kind == "error":
+            text = "\n".join(content["traceback"])
+        else:
+            data = content["data"]
+            view = data.get("application/vnd.jupyter.widget-view+json")
+            text = f"widget:{view['model_id']}" if view else data.get("text/plain", "")
+        display_id = content.get("transient", {}).get("display_id")
+        if kind == "update_display_data":
+            shown = [(shown_id, text if shown_id == display_id else old) for shown_id, old in shown]
+        else:
+            shown.append((display_id, text))
+    return [text for _, text in shown]
+
+
+def test_the_pdb_dialogue_stays_above_the_error_and_the_live_view_goes(kernel4):
+    """The live view is hidden in place as the cell ends (no clear_output, which took the
+    dialogue printed meanwhile with it)."""
+    kernel4.execute_interactive("%config DistributedMagics.live_view_after = 0", timeout=30)
+    try:
+        cell = "%%distributed\nimport time\ntime.sleep(1)\nif rank == 1:\n    breakpoint()\ndist.barrier()"
+        messages = []
+        prompts = iter(["p rank * 100", "q"])
+        reply = kernel4.execute_interactive(
+            cell,
+            timeout=60,
+            allow_stdin=True,
+            stdin_hook=lambda message: kernel4.input(next(prompts)),
+            output_hook=messages.append,
+        )
+    finally:
+        kernel4.execute_interactive("%config DistributedMagics.live_view_after = 1.0", timeout=30)
+    assert reply["content"]["status"] == "error"
+    widget = "application/vnd.jupyter.widget-view+json"
+    live_views = [
+        m["content"]["data"][widget]["model_id"]
+        for m in messages
+        if m["msg_type"] == "display_data" and widget in m["content"]["data"]
+    ]
+    assert live_views and all(live_views), "the live view was never shown"
+    shown = front_end_view(messages)
+    text = "\n".join(shown)
+    assert "[rank 1]\n100\n" in text, shown
+    assert text.index("[rank 1]\n100\n") < text.index("DistributedCellError"), shown
+    assert [t for t in shown if t.startswith("widget:")] == ["widget:"], shown  # hidden in place

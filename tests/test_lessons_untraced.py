@@ -20,6 +20,7 @@ from nbclient import NotebookClient
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 TRACED = re.compile(r"^%%distributed\b.*--(trace|diagram)\b", re.MULTILINE)
 TRACE_NAME = re.compile(r"--trace\s+([A-Za-z_]\w*)")
+LIVE_VIEW = "application/vnd.jupyter.widget-view+json"
 OPTIONS = re.compile(r"\s--diagram\b|\s--trace\s+[A-Za-z_]\w*")
 
 
@@ -47,6 +48,8 @@ def compared(outputs: list) -> list[str]:
                 kept.append(f"{output.name}: {text}")
         elif output.output_type == "error":
             kept.append(f"error: {output.ename}")
+        elif set(output.get("data", {})) <= {LIVE_VIEW}:  # the live view, which nbval skips too
+            continue
         elif "image/png" not in output.get("data", {}):  # a diagram (a figure's text is nbval's)
             kept.append(f"{output.output_type}: {output.get('data', {}).get('text/plain', '')}")
     return kept
