@@ -87,41 +87,55 @@ class RankBlocks:
             if block.result_text:
                 parts.append(html_pre(block.result_text))
             columns.append("".join(parts))
-        return html_columns(columns)
+        return html_columns(columns, [block.text() for block in self.blocks])
 
 
-# Lines are never broken inside a word (JupyterLab's own <pre> style breaks anywhere): columns
-# that do not fit side by side move to the next row, and a line wider than the cell scrolls.
+# Lines are never broken inside a word (JupyterLab's own <pre> style breaks anywhere). The
+# columns are a grid of equal widths, as many to a row as fit, so that they line up from row to
+# row at any number of ranks; a column is as wide as the longest line shown (within limits), and
+# a longer line scrolls inside its column.
 _PRE_STYLE = "white-space:pre;word-break:normal;overflow-wrap:normal;margin:0.2em 0"
-_COLUMN_STYLE = "flex:1 1 auto;min-width:0;max-width:100%;overflow-x:auto"
+_COLUMN_STYLE = "min-width:0;overflow-x:auto"
+MIN_COLUMN_CHARACTERS, MAX_COLUMN_CHARACTERS = 14, 80
+# In the code font, so that a ch is a character of the <pre> inside.
+_GRID_STYLE = (
+    "gap:0.5em 1.5em;font-family:var(--jp-code-font-family,monospace);font-size:var(--jp-code-font-size,13px)"
+)
 
 
 def html_pre(text: str, style: str = "") -> str:
     return f'<pre style="{_PRE_STYLE};{style}">{html.escape(text)}</pre>'
 
 
-def html_columns(columns: list[str]) -> str:
-    """HTML fragments side by side, one column each."""
+def html_columns(columns: list[str], texts: list[str] = ()) -> str:
+    """HTML fragments side by side, one column each, in a grid of equal columns sized to the
+    longest line of ``texts`` (the plain text they show)."""
+    longest = max((len(line) for text in texts for line in text.splitlines()), default=0)
+    width = min(max(longest + 1, MIN_COLUMN_CHARACTERS), MAX_COLUMN_CHARACTERS)
     cells = "".join(f'<div style="{_COLUMN_STYLE}">{column}</div>' for column in columns)
-    return f'<div style="display:flex;flex-wrap:wrap;gap:0.5em 1.5em">{cells}</div>'
+    grid = (
+        f"display:grid;grid-template-columns:repeat(auto-fill,minmax(min({width}ch,100%),1fr));{_GRID_STYLE}"
+    )
+    return f'<div class="ddp-rank-grid" style="{grid}">{cells}</div>'
 
 
 def live_html(outputs: list[RankOutput], pending: set[int], elapsed: float, tail_lines: int) -> str:
     """What a cell still running shows: how long it has run, and each rank's latest output."""
-    columns = []
+    columns, texts = [], []
     for output in outputs:
         state = "running" if output.rank in pending else "finished"
         text = tail(as_terminal(output.stdout), tail_lines, count_dropped=False) + tail(
             as_terminal(output.stderr), tail_lines, count_dropped=False
         )
         columns.append(f"<b>[rank {output.rank}]</b> {state}{html_pre(text)}")
+        texts.append(f"[rank {output.rank}] {state}\n{text}")
     ranks = [output.rank for output in outputs]
     finished = [rank for rank in ranks if rank not in pending]
     header = (
         f"running for {elapsed:.0f} s; finished: {format_ranks(finished) or 'none'}; "
         f"running: {format_ranks(sorted(pending)) or 'none'}"
     )
-    return f"<div>{header}</div>{html_columns(columns)}"
+    return f"<div>{header}</div>{html_columns(columns, texts)}"
 
 
 def as_terminal(text: str) -> str:

@@ -119,6 +119,25 @@ def test_html_shades_received_chunks_and_bolds_finished_ones():
     assert stepper.html(2).count("background:#e1ecf7") == 2
 
 
+@pytest.mark.parametrize("world_size", [2, 5, 8, 16])
+def test_rank_columns_are_one_grid_of_equal_widths(world_size):
+    """The rank blocks are columns of one width (the longest line's), as many to a row as fit:
+    they line up from row to row (a flex row let 5 narrow columns sit above 3 wider ones)."""
+    import re
+
+    from ddp_magics.cluster.records import RankOutput
+    from ddp_magics.output import render
+
+    outputs = [RankOutput(rank, stdout=f"rank {rank}: " + "x" * rank + "\n") for rank in range(world_size)]
+    [blocks] = render(outputs)
+    page = blocks._repr_html_()
+    [width] = re.findall(r"repeat\(auto-fill,minmax\(min\((\d+)ch,100%\),1fr\)\)", page)
+    longest = max(len(line) for block in blocks.blocks for line in block.text().splitlines())
+    assert int(width) == max(longest + 1, 14)
+    assert page.count('<div style="min-width:0;overflow-x:auto">') == world_size
+    assert "flex" not in page
+
+
 def test_the_live_view_shows_a_progress_bars_latest_frame():
     """tqdm redraws its bar with carriage returns: the running cell's view shows the last frame,
     as a terminal would, not every frame on a line of its own."""
