@@ -8,7 +8,7 @@ from __future__ import annotations
 from tests.conftest import running_cluster
 from tests.test_checkers import assert_checker, assert_run_all, check, lesson_cell, on_ranks, reference_answer
 
-# lesson 01: the even ranks, rank arithmetic, re-forming the world
+# lesson 01: the even ranks, rank arithmetic, a store hosted by another rank
 
 LESSON_01_WRONG = {
     1: """
@@ -29,12 +29,18 @@ def node_and_local(rank, nproc_per_node):
     return tuple(reversed(divmod(rank, nproc_per_node)))
 """,
     3: """
-def reform(init_method):
-    t = torch.tensor([rank + 1.0], device=device)
-    dist.all_reduce(t)  # the right sum, on the old group: nothing was re-formed
-    return t.item()
+from datetime import timedelta
+
+
+def form_around(host_rank, port):
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0, timeout=timedelta(seconds=30))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)  # the store on rank 0
 """,
 }
+STORE_FROM_URL = """
+def form_around(host_rank, port):
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+"""
 
 
 def test_01_checkers_fail_wrong_answers_and_pass_the_reference(ip):
@@ -43,6 +49,7 @@ def test_01_checkers_fail_wrong_answers_and_pass_the_reference(ip):
         on_ranks(ip, lesson_cell("01_process_groups", "def free_port("))  # also re-forms the group on tcp://
         for exercise, wrong in LESSON_01_WRONG.items():
             assert_checker(ip, "01_process_groups", exercise, wrong, 4)
+        assert_checker(ip, "01_process_groups", 3, STORE_FROM_URL, 4)  # tcp://: rank 0 hosts the store
         assert_run_all(ip, "01_process_groups", LESSON_01_WRONG, 4)
 
 
