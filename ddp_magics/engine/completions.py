@@ -146,7 +146,10 @@ class Completions:
         def then_settle() -> None:
             engine.queue_callback(self._settle_after_backward)
 
-        engine.queue_callback(then_settle)
+        try:
+            engine.queue_callback(then_settle)
+        except RuntimeError:  # not in this thread's backward after all: read at the next call
+            self._graph_tasks.discard(graph_task)
 
     def _settle_after_backward(self) -> None:
         # On the backward's thread (the cell's, on CPU; while the cell waits in backward()).
