@@ -95,28 +95,44 @@ def test_03_checkers_fail_wrong_answers_and_pass_the_reference(ip):
         assert_run_all(ip, "03_collectives", first, 4)
 
 
-# lesson 09: the cut moved inside DDP, the split checkpoint loaded on one device
+# lesson 09: a skip connection across the cut, inside DDP; the split checkpoint loaded on one device
 
-LESSON_09_WRONG = {
-    (1, "not wrapped in DDP"): """
-class CutAfterFirstLayer(nn.Module):
+SKIP_MODEL = """
+class SkipAcrossCut(nn.Module):
     def __init__(self, dev0, dev1):
         super().__init__()
         self.dev0, self.dev1 = dev0, dev1
-        self.first = nn.Linear(3, 8).to(dev0)
-        self.rest = nn.Sequential(nn.Tanh(), nn.Linear(8, 1)).to(dev1)
+        FIRST_SKIP_SECOND
 
     def forward(self, x):
-        return self.rest(self.first(x.to(self.dev0)).to(self.dev1))
+        h = torch.tanh(self.first(x.to(self.dev0)))
+        return self.second(h.to(self.dev1)) + self.skip(x.to(self.dev1))
+"""
+IN_ORDER = """self.first = nn.Linear(3, 8).to(dev0)
+        self.second = nn.Linear(8, 1).to(dev1)
+        self.skip = nn.Linear(3, 1, bias=False).to(dev1)"""
+SKIP_FIRST = """self.skip = nn.Linear(3, 1, bias=False).to(dev1)
+        self.first = nn.Linear(3, 8).to(dev0)
+        self.second = nn.Linear(8, 1).to(dev1)"""
+LESSON_09_WRONG = {
+    (1, "not wrapped in DDP"): SKIP_MODEL.replace("FIRST_SKIP_SECOND", IN_ORDER)
+    + """
 
-
-def make_split_ddp(dev0, dev1):
+def make_skip_ddp(dev0, dev1):
     torch.manual_seed(0)
-    return CutAfterFirstLayer(dev0, dev1)
+    return SkipAcrossCut(dev0, dev1)
 """,
-    (1, "no seed: other weights"): """
-def make_split_ddp(dev0, dev1):
-    return DDP(CutAfterFirstLayer(dev0, dev1))  # CutAfterFirstLayer from the previous wrong answer
+    (1, "the lesson's split, no skip"): """
+def make_skip_ddp(dev0, dev1):
+    torch.manual_seed(0)
+    return DDP(TwoDeviceMLP(dev0, dev1))
+""",
+    (1, "skip created first: other weights"): SKIP_MODEL.replace("FIRST_SKIP_SECOND", SKIP_FIRST)
+    + """
+
+def make_skip_ddp(dev0, dev1):
+    torch.manual_seed(0)
+    return DDP(SkipAcrossCut(dev0, dev1))
 """,
     (2, "a fresh model, nothing loaded"): """
 single_ex2 = TwoDeviceMLP(device, device)
@@ -141,5 +157,4 @@ def test_09_checkers_fail_wrong_answers_and_pass_the_reference(ip):
             reference = reference_answer(lesson, exercise)
             assert set(check(ip, lesson, exercise, reference, 2).values()) == {"pass"}, exercise
         wrong = {exercise: LESSON_09_WRONG[exercise, name] for exercise, name in reversed(LESSON_09_WRONG)}
-        wrong[1] = LESSON_09_WRONG[1, "not wrapped in DDP"]  # the other wrong one needs this one's class
         assert_run_all(ip, lesson, wrong, 2)
