@@ -40,6 +40,6 @@ class LiveView:
     def close(self) -> None:
         if self._widget is None:
             return
+        self._widget.close()  # its views go first, then the display shows no model
         self._display.update(_widget_view(""), raw=True)
-        self._widget.close()
         self._widget = None
