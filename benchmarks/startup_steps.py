@@ -50,6 +50,12 @@ RESTART_STEPS = (
 )
 
 
+def wait_for_cell(cluster: RankCluster, answers, seconds: float) -> bool:
+    """Whether the cell answered within ``seconds``: the cluster answers for its cell, or (in an
+    older tree, which compare_trees.py runs this against) the handle run_cell returned."""
+    return answers.wait(seconds) if answers is not None else cluster.wait_for_cell(seconds)
+
+
 def timed(cluster: RankCluster, restart: bool, n: int) -> list[float]:
     """The duration of each step of ``cluster.start`` (or ``restart``) and of its first cell."""
     steps = RESTART_STEPS if restart else START_STEPS
@@ -65,7 +71,7 @@ def timed(cluster: RankCluster, restart: bool, n: int) -> list[float]:
     (cluster.restart if restart else cluster.start)(progress)
     ends = [marks[first_words] for first_words in expected]
     ends.append(time.perf_counter())
-    cluster.run_cell("x = 1", list(range(n)), 3 if restart else 1).wait(60)
+    wait_for_cell(cluster, cluster.run_cell("x = 1", list(range(n)), 3 if restart else 1), 60)
     ends.append(time.perf_counter())
     return [end - begin for begin, end in zip([started, *ends], ends)]
 
@@ -86,7 +92,7 @@ def main() -> int:
         try:
             start_steps.append(timed(cluster, restart=False, n=args.n))
             time.sleep(3)  # the engines' after-start work is done (see engine.rank)
-            if cluster.run_cell(HANG, list(range(args.n)), 2).wait(1):
+            if wait_for_cell(cluster, cluster.run_cell(HANG, list(range(args.n)), 2), 1):
                 raise RuntimeError("the hang did not hang")
             restart_steps.append(timed(cluster, restart=True, n=args.n))
         finally:

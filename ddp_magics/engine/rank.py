@@ -10,6 +10,7 @@ import os
 import socket
 import threading
 
+from ddp_magics.addresses import address_towards
 from ddp_magics.engine import debugging, launched, recovery
 from ddp_magics.engine.inspector import start_inspector
 from ddp_magics.protocol import CELL_NUMBER_HEADER, EngineProbe, RankSetup, Rejoined
@@ -55,16 +56,6 @@ def probe_engine(controller_address: str) -> EngineProbe:
         pid=os.getpid(),
         gpu_count=torch.cuda.device_count(),
     )
-
-
-def address_towards(destination: str) -> str:
-    """The address of this host that packets to ``destination`` leave from (the kernel's routing
-    choice; connecting a UDP socket sends nothing)."""
-    if destination.startswith("127."):
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        sock.connect((destination, 9))
-        return sock.getsockname()[0]
 
 
 def interface_of(address: str) -> str | None:
