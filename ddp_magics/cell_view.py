@@ -3,6 +3,7 @@ notebook's prompt (while the cell runs, or post mortem), and its outputs in rank
 
 from __future__ import annotations
 
+import dataclasses
 import html
 from collections.abc import Callable, Generator
 
@@ -12,9 +13,9 @@ from IPython.display import display
 from ddp_magics import reports
 from ddp_magics.cell_run import CellOutcome, CellRun, Prompt, Tick, Waits
 from ddp_magics.cluster.rank_cluster import RankCluster
-from ddp_magics.cluster.records import ClusterError, DeadRanks, GroupBroken, Progress
+from ddp_magics.cluster.records import ClusterError, DeadRanks, GroupBroken, Progress, RankOutput
 from ddp_magics.errors import usage_error, ways_out
-from ddp_magics.live_view import LiveView
+from ddp_magics.live_view import WIDGET_MIMETYPE, LiveView
 from ddp_magics.output import live_html, render
 from ddp_magics.protocol import rank_label
 
@@ -74,8 +75,11 @@ def run(
 
 def follow(steps: Generator[Tick | Prompt, str | None, CellOutcome], shell) -> CellOutcome:
     """Show a cell's progress and answer its prompts until it ends; the stop button, wherever it
-    is pressed, goes to the cell run."""
+    is pressed, goes to the cell run. A widget a rank displays (a tqdm bar) is shown as it comes,
+    so that it moves while the cell runs (its updates reach the notebook as they happen); the
+    outcome returned leaves it out, as it is shown already."""
     live = LiveView(in_kernel(shell))
+    widgets_shown: set[str] = set()
     try:
         record = next(steps)
         while True:
@@ -84,6 +88,7 @@ def follow(steps: Generator[Tick | Prompt, str | None, CellOutcome], shell) -> C
                     live.update(
                         live_html(record.outputs, set(record.pending), record.elapsed, LIVE_TAIL_LINES)
                     )
+                    _show_new_widgets(record.outputs, widgets_shown)
                     answer = None
                 else:
                     answer = ask(record)
@@ -92,9 +97,33 @@ def follow(steps: Generator[Tick | Prompt, str | None, CellOutcome], shell) -> C
                 continue
             record = steps.send(answer)
     except StopIteration as ended:
-        return ended.value
+        return _without_widgets(ended.value, widgets_shown)
     finally:
         live.close()
+
+
+def _widget_id(item: dict) -> str | None:
+    view = item["data"].get(WIDGET_MIMETYPE)
+    return view.get("model_id") if isinstance(view, dict) else None
+
+
+def _show_new_widgets(outputs: list[RankOutput], shown: set[str]) -> None:
+    for output in outputs:
+        for item in output.displays:
+            model_id = _widget_id(item)
+            if model_id and model_id not in shown:
+                display(item["data"], metadata=item["metadata"], raw=True)
+                shown.add(model_id)
+
+
+def _without_widgets(outcome: CellOutcome, shown: set[str]) -> CellOutcome:
+    if not shown:
+        return outcome
+    outputs = [
+        dataclasses.replace(output, displays=[d for d in output.displays if _widget_id(d) not in shown])
+        for output in outcome.outputs
+    ]
+    return dataclasses.replace(outcome, outputs=outputs)
 
 
 def ask(prompt: Prompt) -> str | None:
