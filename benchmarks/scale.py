@@ -17,7 +17,9 @@ For each n (default 8, 16, 32, 64), on a fresh gloo cluster:
 
 Every cell after a recovery or release must work, or be refused in one line (a UsageError): the
 script says FAILED otherwise. Goals at n = 64 on a 2-core machine: start <= 4 s, recover <= 5 s,
-raise -> cell end <= error_grace + 2 s, cell <= 1.1x raw.
+raise -> cell end <= error_grace + 2 s, cell <= 1.1x raw. Then the same on two hosts (network
+namespaces of this machine with their own sshd, ``tests/two_hosts.py``; as root) with
+``--per-host`` ranks each, the notebook in the first.
 
     .venv/bin/python benchmarks/scale.py                  # n = 8, 16, 32, 64
     .venv/bin/python benchmarks/scale.py -n 32 --rounds 3
@@ -26,17 +28,25 @@ raise -> cell end <= error_grace + 2 s, cell <= 1.1x raw.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-from cell_latency import magics_of, raw_view
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT)]
+from cell_latency import magics_of, raw_view  # noqa: E402
 
+from tests.two_hosts import HOST_A, HOST_B, TwoHosts, skip_reason  # noqa: E402
+
+SSH_CONFIG_ENV = "DDP_MAGICS_BENCH_SSH_CONFIG"
 HANG = (
     "%%distributed --timeout {timeout:g}\nt = torch.zeros(1)\n"
     "if rank == 3:\n    dist.recv(t, src=0)\nelse:\n    dist.barrier()"
@@ -76,10 +86,11 @@ def check_next_cell(shell: InteractiveShell, n: int, after: str) -> float:
     return elapsed
 
 
-def measure(shell: InteractiveShell, n: int, cells: int) -> dict[str, float]:
+def measure(shell: InteractiveShell, n: int, cells: int, start_line: str | None = None) -> dict[str, float]:
     magics = magics_of(shell)
     got: dict[str, float] = {}
-    got["start"], _ = timed(lambda: shell.run_line_magic("dist_start", f"-n {n} --backend gloo"))
+    start_line = start_line or f"-n {n} --backend gloo"
+    got["start"], _ = timed(lambda: shell.run_line_magic("dist_start", start_line))
     try:
         run(shell, "%%distributed\nkept = rank")
         view = raw_view(magics.cluster)
@@ -109,12 +120,66 @@ def measure(shell: InteractiveShell, n: int, cells: int) -> dict[str, float]:
     return got
 
 
+def two_hosts_worker(per_host: int, cells: int, rounds: int) -> None:
+    """Inside namespace a: a cluster of ``per_host`` ranks on each of the two hosts, measured as
+    the others are; one JSON line per round."""
+    shell = InteractiveShell.instance()
+    with capture_output():
+        shell.run_line_magic("load_ext", "ddp_magics")
+        config = os.environ[SSH_CONFIG_ENV]
+        shell.run_line_magic("config", f"DistributedMagics.ssh_command = ['ssh', '-F', {config!r}]")
+    hosts = f"--hosts {HOST_A}:{per_host},{HOST_B}:{per_host} --backend gloo"
+    for _ in range(rounds):
+        try:
+            with capture_output():
+                got = measure(shell, 2 * per_host, cells, hosts)
+            print(json.dumps(got), flush=True)
+        except Failed as failed:
+            print(json.dumps({"failed": str(failed)}), flush=True)
+
+
+def on_two_hosts(per_host: int, cells: int, rounds: int) -> tuple[list[dict[str, float]], list[str]]:
+    """The same measurements on two network-namespace hosts of this machine (tests/two_hosts.py:
+    root, iproute2 and openssh), the notebook in namespace a."""
+    why_not = skip_reason()
+    if why_not is not None:
+        return [], [f"two hosts not measured: {why_not}"]
+    with TwoHosts(exit_grace=0) as hosts:
+        worker = [sys.executable, __file__, "--two-hosts-worker", str(per_host), "--cells", str(cells)]
+        inner = subprocess.run(
+            hosts.in_a([*worker, "--rounds", str(rounds)]),
+            capture_output=True,
+            text=True,
+            env={**os.environ, SSH_CONFIG_ENV: hosts.ssh_config},
+            cwd=ROOT,
+            timeout=600 * rounds,
+        )
+        left = {ns: [p.pid for p in ps] for ns, ps in hosts.leftovers(settle=5).items() if ps}
+    results, failures = [], []
+    for line in inner.stdout.splitlines():
+        if line.startswith("{"):
+            got = json.loads(line)
+            (failures.append(got["failed"]) if "failed" in got else results.append(got))
+    if inner.returncode != 0:
+        failures.append(f"the two-host worker exited {inner.returncode}: {inner.stderr[-2000:]}")
+    if left:
+        failures.append(f"left running on the two hosts: {left}")
+    return results, failures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-n", type=int, action="append", help="world sizes (default: 8 16 32 64)")
     parser.add_argument("--rounds", type=int, default=1, help="rounds per world size (default: 1)")
     parser.add_argument("--cells", type=int, default=20, help="trivial cells timed per round (default: 20)")
+    parser.add_argument(
+        "--per-host", type=int, default=16, help="ranks per host of the two-host case (0: none; default: 16)"
+    )
+    parser.add_argument("--two-hosts-worker", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.two_hosts_worker is not None:
+        two_hosts_worker(args.two_hosts_worker, args.cells, args.rounds)
+        return 0
     sizes = args.n or [8, 16, 32, 64]
     shell = InteractiveShell.instance()
     with capture_output():
@@ -136,6 +201,11 @@ def main() -> int:
                 f"n={n} round {round_number + 1}: " + ", ".join(f"{k} {v:.3f}" for k, v in got.items()),
                 flush=True,
             )
+    columns: list[tuple[str, list[dict[str, float]]]] = [(f"n={n}", results[n]) for n in sizes]
+    if args.per_host:
+        two, problems = on_two_hosts(args.per_host, args.cells, args.rounds)
+        columns.append((f"2x{args.per_host} hosts", two))
+        failures.extend(problems)
     names = [
         "start",
         "raw cell",
@@ -151,18 +221,16 @@ def main() -> int:
         f"\nmedians in seconds over {args.rounds} round(s) "
         f"(error_grace {error_grace:g} s, hang --timeout {HANG_TIMEOUT:g} s)"
     )
-    print(f"{'':<26}" + "".join(f"{'n=' + str(n):>10}" for n in sizes))
+    print(f"{'':<26}" + "".join(f"{label:>14}" for label, _ in columns))
     for name in [*names, "cell / raw"]:
         row = []
-        for n in sizes:
-            if not results[n]:
-                row.append(f"{'-':>10}")
-                continue
-            if name == "cell / raw":
-                value = statistics.median(r["cell"] / r["raw cell"] for r in results[n])
-                row.append(f"{value:>9.2f}x")
+        for _, got in columns:
+            if not got:
+                row.append(f"{'-':>14}")
+            elif name == "cell / raw":
+                row.append(f"{statistics.median(r['cell'] / r['raw cell'] for r in got):>13.2f}x")
             else:
-                row.append(f"{statistics.median(r[name] for r in results[n]):>10.3f}")
+                row.append(f"{statistics.median(r[name] for r in got):>14.3f}")
         print(f"{name:<26}" + "".join(row))
     if results.get(64):
         at64 = {name: statistics.median(r[name] for r in results[64]) for name in names}
