@@ -40,7 +40,10 @@ class Settings(Configurable):
         ),
     )
     interrupt_grace = Float(
-        3.0, config=True, help="Seconds interrupted ranks get to stop before being reported."
+        3.0,
+        config=True,
+        help="Seconds interrupted ranks get to stop before being reported (during a recovery, more while "
+        "their stacks show them ending or do not come: up to 30 s plus a second per rank per core).",
     )
     collapse_identical = Bool(
         True, config=True, help="Show ranks with identical output as one block ([ranks 0-3])."
