@@ -215,6 +215,23 @@ def test_a_watching_tool_is_not_taken_for_the_maker(ip, world):
     assert [(step.op, step.events[0].made_by) for step in trace.steps] == [("all_reduce", None)]
 
 
+def test_a_decorators_wrapper_is_not_taken_for_the_maker(ip, world):
+    """torch 2.13 wraps all_gather_into_tensor and reduce_scatter_tensor in
+    typing_extensions.deprecated: the cell's calls stay the cell's."""
+    cell = (
+        "import warnings\nwarnings.simplefilter('ignore', FutureWarning)  # deprecated, once per process\n"
+        "x = torch.ones(2) * rank\nout = torch.zeros(2 * world_size)\n"
+        "dist.all_gather_into_tensor(out, x)\nmine = torch.zeros(1)\n"
+        "dist.reduce_scatter_tensor(mine, torch.ones(world_size))\nprint(out.sum().item(), mine.item())"
+    )
+    trace, _ = traced_and_untraced(ip, cell)
+    assert [(step.op, step.events[0].made_by) for step in trace.steps] == [
+        ("all_gather_into_tensor", None),
+        ("reduce_scatter_tensor", None),
+    ]
+    assert "typing_extensions" not in repr(trace)
+
+
 def test_a_librarys_result_never_used_in_the_cell_is_not_shown_as_done(ip, world):
     """DTensor's row-parallel output is all-reduced asynchronously and waited for where it is
     used: a cell that never uses it ends before the values are known, and says so."""

@@ -24,9 +24,12 @@ MAKERS = (
     ("torch.distributed._functional_collectives", "functional collectives"),
     ("torch.distributed.device_mesh", "DeviceMesh"),
 )
-# Installed packages whose frames never name a call's maker: torch itself and what runs a cell.
+# Installed packages whose frames never name a call's maker: torch itself, what runs a cell, and
+# decorators' wrappers that run between a caller and the call (torch 2.13 marks
+# all_gather_into_tensor and reduce_scatter_tensor with typing_extensions.deprecated).
 NOT_LIBRARIES = frozenset(
     {"torch", "IPython", "ipykernel", "ipyparallel", "ddp_magics", "traitlets", "tornado", "zmq"}
+    | {"typing_extensions", "wrapt", "decorator", "deprecated"}
 )
 # Modules under the makers' that only watch calls, as this tracer does.
 OBSERVERS = ("torch.distributed.tensor.debug",)
