@@ -84,13 +84,16 @@ class DumpEnd:
     name`` per frame, innermost first, at most 100 (then ``  ...``), or ``  <no Python frame>``.
     After 100 threads it writes a line ``...`` and stops. So the last block is the main
     thread's (the interpreter's first thread), and it ends with the main thread's outermost
-    frame, which stays the same while the process lives (``_run_module_as_main`` in runpy for
-    an engine; its line number is not relied on).
+    frames, which stay the same while the process lives (runpy's ``_run_code`` and
+    ``_run_module_as_main`` for an engine; their line numbers are not relied on). Two of them,
+    not one: the outermost frame's file and function may come again just above it (``python -c``
+    running ``exec`` of code: two ``"<string>"`` frames in ``<module>``).
     """
 
     main_thread_id: int
-    bottom_file: bytes | None  # as faulthandler writes it: '"/path/to/file.py"' or '???'
-    bottom_function: bytes | None
+    # The main thread's outermost frames, innermost first, as faulthandler writes them: (file,
+    # function), file being '"/path/to/file.py"' or '???'. Empty where the dump did not reach them.
+    bottom: tuple[tuple[bytes, bytes], ...]
 
     @classmethod
     def of_this_process(cls) -> DumpEnd:
@@ -102,27 +105,31 @@ class DumpEnd:
             dump = file.read()
         main_block = _thread_header(main_thread_id).search(dump)
         if main_block is None:
-            return cls(main_thread_id, None, None)
-        block_lines = dump[main_block.start() :].split(b"\n\n", 1)[0].splitlines()
-        bottom = _FRAME_LINE.fullmatch(block_lines[-1])
-        if bottom is None:  # deeper than the 100 frames a dump shows
-            return cls(main_thread_id, None, None)
-        return cls(main_thread_id, bottom["file"], bottom["function"])
+            return cls(main_thread_id, ())
+        block_lines = dump[main_block.start() :].split(b"\n\n", 1)[0].splitlines()[1:]
+        bottom = []
+        for line in block_lines[-BOTTOM_FRAMES:]:
+            frame = _FRAME_LINE.fullmatch(line)
+            if frame is None:  # deeper than the 100 frames a dump shows
+                return cls(main_thread_id, ())
+            bottom.append((frame["file"], frame["function"]))
+        return cls(main_thread_id, tuple(bottom))
 
     def last_line(self) -> re.Pattern[bytes]:
-        """The line that ends the main thread's block (with the newline before it)."""
+        """The lines that end the main thread's block (with the newline before them)."""
         ends = [re.escape(b"\n" + _FRAMES_LEFT_OUT), re.escape(b"\n" + _NO_PYTHON_FRAME)]
-        if self.bottom_file is not None:
+        if self.bottom:
             ends.append(
-                rb"\n  File "
-                + re.escape(self.bottom_file)
-                + rb", line (?:\d+|\?\?\?) in "
-                + re.escape(self.bottom_function)
+                b"".join(
+                    rb"\n  File " + re.escape(file) + rb", line (?:\d+|\?\?\?) in " + re.escape(function)
+                    for file, function in self.bottom
+                )
                 + rb"\n"
             )
         return re.compile(b"|".join(ends))
 
 
+BOTTOM_FRAMES = 2
 _FRAME_LINE = re.compile(rb"  File (?P<file>.+), line (?:\d+|\?\?\?) in (?P<function>.+)")
 _FRAMES_LEFT_OUT = b"  ...\n"
 _NO_PYTHON_FRAME = b"  <no Python frame>\n"
