@@ -21,8 +21,7 @@ from ddp_magics.cluster.records import ClusterError, RankFailure, RankOutput, Re
 from ddp_magics.diagrams import Trace
 from ddp_magics.errors import RankDeath
 from ddp_magics.profile import Profile
-from ddp_magics.protocol import ERROR, PROFILE_KEY, SKIP_BREAKPOINTS, TRACE_KEY, WAIT
-from ddp_magics.stack_dumps import AUTOGRAD_ENGINE_CALL, cell_frames, parse_stack_dump
+from ddp_magics.protocol import PROFILE_KEY, SKIP_BREAKPOINTS, TRACE_KEY
 from ddp_magics.stacks import BlockedRank
 
 POLL_SECONDS = 0.1
@@ -213,9 +212,7 @@ class CellRun:
                 rank,
                 inspections[rank].stack if rank in inspections else None,
                 self.cell,
-                traced_call=_traced_call(
-                    trace, rank, inspections[rank].stack if rank in inspections else None
-                ),
+                traced_call=_traced_call(trace, rank),
             )
             for rank in alive_pending
         ]
@@ -277,20 +274,7 @@ class CellRun:
         return Profile(profiles, self._offsets, trace.events if trace else None, missing)
 
 
-def _traced_call(trace: Trace | None, rank: int, stack: str | None) -> str | None:
-    """``recv from rank 1`` for a rank blocked in a traced call. A rank whose cell waits in
-    backward's C++ code (DDP's reducer waiting for its buckets) with no call of its own in flight
-    waits for the last call a library made there (the reducer's bucket all-reduce), even where
-    that call's handle was already read as finished (seen under load at 4 ranks)."""
-    if trace is None:
-        return None
-    event = trace.in_progress(rank)
-    if event is None and stack and _in_backward(stack):
-        made = [e for e in trace.events.get(rank, []) if e.made_by and e.op != WAIT and e.status != ERROR]
-        event = made[-1] if made else None
+def _traced_call(trace: Trace | None, rank: int) -> str | None:
+    """``recv from rank 1`` for a rank blocked in a traced call."""
+    event = trace.in_progress(rank) if trace else None
     return event.call() if event else None
-
-
-def _in_backward(stack: str) -> bool:
-    frames = cell_frames(parse_stack_dump(stack))
-    return bool(frames) and frames[-1].function == AUTOGRAD_ENGINE_CALL
