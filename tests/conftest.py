@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -14,6 +15,12 @@ from jupyter_client.manager import start_new_kernel
 
 from ddp_magics.lifetime import wait_for_exit
 from ddp_magics.magics import DistributedMagics
+
+
+def pytest_configure(config):
+    # Tests press Ctrl-C as a user does in IPython (SIGINT to this process), where it raises
+    # KeyboardInterrupt; a shell that started the run in the background left SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
