@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 CONSTRAINTS := -c constraints.txt
 NBVAL_ARGS := -p no:cacheprovider --nbval --nbval-current-env --nbval-cell-timeout=120
-TEST_WORKERS ?= 4
+TEST_WORKERS ?= 3
 # JupyterLab refuses to run as root without --allow-root.
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 

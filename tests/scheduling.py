@@ -8,7 +8,7 @@ recorded: by their number of tests, after the recorded ones), so that no long sc
 and runs alone while the other workers have nothing to do. The order changes how long the run
 takes, never what it checks. Record the seconds anew after a change of much weight:
 
-    .venv/bin/python -m pytest -n 4 --dist loadscope tests notebooks --nbval --nbval-current-env \\
+    .venv/bin/python -m pytest -n 3 --dist loadscope tests notebooks --nbval --nbval-current-env \\
         --record-scope-seconds tests/scope_seconds.json
 
 (xdist's own ``loadgroup`` would read groups from marks, but under pytest 9 its worker can no
