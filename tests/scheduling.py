@@ -49,6 +49,7 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(_SecondsRecorder(Path(path)))
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's: without it, never called
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     if config.getoption("dist") != "loadscope":
         return None
