@@ -21,6 +21,8 @@ from pathlib import Path
 
 import psutil
 
+from tests.ports import unused_port
+
 SLURMCTLD = "/usr/sbin/slurmctld"
 SLURMD = "/usr/sbin/slurmd"
 START_TIMEOUT = 20.0
@@ -75,14 +77,6 @@ def skip_reason() -> str | None:
     return None
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class OneNodeSlurm:
     def __init__(self) -> None:
         self.tmp: Path | None = None
@@ -107,7 +101,7 @@ class OneNodeSlurm:
         (tmp / "spool").mkdir()
         self.conf = tmp / "slurm.conf"
         self.conf.write_text(
-            CONFIG.format(tmp=tmp, ctld_port=_free_port(), slurmd_port=_free_port(), cpus=NODE_CPUS)
+            CONFIG.format(tmp=tmp, ctld_port=unused_port(), slurmd_port=unused_port(), cpus=NODE_CPUS)
         )
         os.environ["SLURM_CONF"] = str(self.conf)
         with open(tmp / "daemons.log", "ab") as log:

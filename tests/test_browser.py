@@ -13,7 +13,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ import psutil
 import pytest
 
 from tests.conftest import assert_gone
+from tests.ports import unused_port
 
 CHROMIUM = Path("/usr/bin/chromium")
 REPO = Path(__file__).resolve().parent.parent
@@ -57,7 +57,7 @@ class Lab:
 
     def __init__(self) -> None:
         self.root = Path(tempfile.mkdtemp(prefix="ddp-magics-lab-"))
-        self.port = _free_port()
+        self.port = unused_port()
         self.token = os.urandom(16).hex()
         settings = self.root / ".settings" / "@jupyterlab" / "apputils-extension"
         settings.mkdir(parents=True)
@@ -129,12 +129,6 @@ class Lab:
             assert_gone(processes, timeout=10)
         finally:
             shutil.rmtree(self.root, ignore_errors=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _with_children(pid: int) -> list[psutil.Process]:

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.one_node_slurm import OneNodeSlurm, _free_port, skip_reason
+from tests.one_node_slurm import OneNodeSlurm, skip_reason
+from tests.ports import unused_port
 from tests.test_checkers import lesson_cell
 
 pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")
@@ -41,7 +42,7 @@ def test_lesson10_sbatch_recipe_trains_on_a_one_node_slurm():
         venv_bin = str(Path(sys.executable).parent)  # torchrun of this environment first on PATH
         with OneNodeSlurm() as slurm:  # sets SLURM_CONF in this process's environment
             path = venv_bin + os.pathsep + os.environ["PATH"]
-            env = dict(os.environ, PATH=path, MASTER_PORT=str(_free_port()))
+            env = dict(os.environ, PATH=path, MASTER_PORT=str(unused_port()))
             submitted = subprocess.run(
                 ["sbatch", "--parsable", "--wait", "--nodes=1", f"--chdir={workdir}", "train.sbatch"],
                 cwd=workdir,
