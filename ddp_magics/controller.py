@@ -7,7 +7,7 @@ engines (which watch the kernel too) and removes the cluster's directory.
 Its heart monitor is ipyparallel's, but prompt: it pings a new engine's heart as soon as the
 heart subscribes to the pings, and registers the heart at its first answer. ipyparallel's
 waits for the next periodic ping and registers at the beat after the answer: one to two
-heartbeat periods (0.1-0.2 s at the default 100 ms) between an engine starting its heart and
+heartbeat periods (1-2 s at the default 1000 ms) between an engine starting its heart and
 the controller announcing it, on every start, restart and replacement.
 """
 

@@ -55,9 +55,11 @@ class Settings(Configurable):
         1.0, config=True, help="Seconds after which a running cell shows its ranks' progress."
     )
     heartbeat_ms = Integer(
-        100,
+        1000,
         config=True,
-        help="ipyparallel heartbeat period (ms); an engine silent for 3 s is dead whatever the period.",
+        help="ipyparallel heartbeat period (ms); an engine silent for 3 s is dead whatever the period. "
+        "New engines are confirmed at their first answer whatever the period (the controller pings a "
+        "heart as it subscribes); a shorter one costs the idle cluster more CPU.",
     )
     link_loss_tolerance = Float(
         30.0,

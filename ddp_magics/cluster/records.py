@@ -11,8 +11,8 @@ BACKENDS = ("auto", "gloo", "nccl")
 # ipyparallel's names for its engine launchers that ddp_magics knows how to set up.
 LAUNCHERS = ("local", "ssh", "mpi", "slurm")
 LOCAL_HOST = "127.0.0.1"
-# A short heartbeat period confirms new engines sooner; this much silence still means dead (for
-# engines on this machine: those on other hosts get ``link_loss_tolerance``).
+# This much silence means dead whatever the heartbeat period (for engines on this machine: those on
+# other hosts get ``link_loss_tolerance``).
 HEARTBEAT_SILENCE_MS = 3000
 # How long engines may take to start, import torch, or answer a set-up call.
 ENGINE_TIMEOUT_SECONDS = 60.0
