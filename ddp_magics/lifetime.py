@@ -44,6 +44,7 @@ POLL_SECONDS = 0.2
 OWNER_GONE_EXIT_CODE = 3
 RECORDED_PIDS_FILE = "processes"  # PIDs of the cluster's processes ipyparallel does not list
 EXIT_POLL_SECONDS = 0.02
+REMOVE_SECONDS = 2.0  # for a directory to go while a process that writes in it is ending
 # A lifeline client must send the secret within this time.
 AUTH_SECONDS = 10.0
 ACCEPT_BACKOFF_SECONDS = 0.1
@@ -350,11 +351,28 @@ def exit_with_children(owner: Owner, cluster_dir: Path | None = None) -> None:
         others = [p for p in cluster_processes(cluster_dir) if p.pid != me.pid]
         # They watch the owner too and are normally gone already.
         kill_now(wait_for_exit(others, timeout=2))
-        shutil.rmtree(cluster_dir, ignore_errors=True)
+        # This process's own main thread may still write in it (ipyparallel's hub saves its
+        # engines' state as it hears of their end).
+        if not remove_tree(cluster_dir):
+            print(f"ddp_magics: could not remove {cluster_dir}", file=sys.stderr)
     os._exit(OWNER_GONE_EXIT_CODE)
 
 
 # -------------------------------------------------------------- the cluster's files
+def remove_tree(path: Path, timeout: float = REMOVE_SECONDS) -> bool:
+    """Remove the directory ``path`` and all in it, again while something still writes in it
+    (``shutil.rmtree`` gives up on a directory that got a new entry while it was being emptied),
+    for up to ``timeout`` seconds. Whether it is gone."""
+    deadline = time.monotonic() + timeout
+    while True:
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.lexists(path):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(EXIT_POLL_SECONDS)
+
+
 def cluster_processes(cluster_dir: Path) -> list[psutil.Process]:
     """The controller and engines listed in the cluster's ipyparallel files, with their
     children (nannies, schedulers), as far as they still run.
@@ -382,9 +400,9 @@ def cluster_processes(cluster_dir: Path) -> list[psutil.Process]:
 def _launched_for(process: psutil.Process, cluster_dir: Path) -> bool:
     environment = process.environ()
     # IPP_PROFILE_DIR, set by ipyparallel's launchers, also names clusters of older versions.
-    return environment.get(CLUSTER_DIR_ENV) == str(cluster_dir) or environment.get(
-        "IPP_PROFILE_DIR"
-    ) == str(cluster_dir / "profile")
+    return environment.get(CLUSTER_DIR_ENV) == str(cluster_dir) or environment.get("IPP_PROFILE_DIR") == str(
+        cluster_dir / "profile"
+    )
 
 
 def record_process(cluster_dir: Path, pid: int) -> None:

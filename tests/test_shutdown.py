@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from ddp_magics.lifetime import (
     Owner,
     machine_boot_id,
     process_alive,
+    remove_tree,
     start_ticks,
 )
 from tests.conftest import assert_gone, start_kernel_with_cluster
@@ -197,6 +200,31 @@ def test_stray_recovery_of_half_removed_clusters_never_raises(ip):
     finally:
         for path in [*strays, being_made]:
             shutil.rmtree(path, ignore_errors=True)
+
+
+def _keep_writing(directory: Path, stop) -> None:
+    """What ipyparallel's hub does in the controller's main thread while its watcher removes
+    the cluster's directory: write a file in it (and the folders it needs), again and again."""
+    while not stop.is_set():
+        with contextlib.suppress(OSError):
+            (directory / "profile" / "log").mkdir(parents=True, exist_ok=True)
+            (directory / "profile" / "log" / "engines.json").write_text("{}")
+
+
+def test_a_directory_written_in_while_it_is_removed_is_removed_once_the_writing_ends(tmp_path):
+    directory = tmp_path / "cluster"
+    stop = threading.Event()
+    writer = threading.Thread(target=_keep_writing, args=(directory, stop))
+    writer.start()
+    stopper = threading.Timer(0.3, stop.set)
+    stopper.start()
+    try:
+        assert remove_tree(directory)
+        assert not directory.exists()
+    finally:
+        stop.set()
+        writer.join()
+        stopper.join()
 
 
 WATCHER = """

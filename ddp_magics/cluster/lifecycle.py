@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import shutil
 import signal
 import sys
 import tempfile
@@ -47,6 +46,7 @@ from ddp_magics.lifetime import (
     is_running,
     kill_now,
     launch_environment,
+    remove_tree,
 )
 from ddp_magics.private_files import UnsafeDirectory
 from ddp_magics.protocol import ZYGOTE_CHILD_ENDED
@@ -301,7 +301,8 @@ class ClusterProcesses:
                 self._lifeline = None
             self.engines.close()
             if self.workdir is not None:
-                shutil.rmtree(self.workdir, ignore_errors=True)
+                if not remove_tree(self.workdir):
+                    print(f"ddp_magics: could not remove {self.workdir}", file=sys.stderr)
                 self.workdir = None
 
     def processes(self) -> list[psutil.Process]:

@@ -7,13 +7,12 @@ kernel that started it (:class:`~ddp_magics.lifetime.Owner`) and its host's name
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import time
 from pathlib import Path
 
 from ddp_magics.cluster.stopping import stop_processes
-from ddp_magics.lifetime import Owner, cluster_processes
+from ddp_magics.lifetime import Owner, cluster_processes, remove_tree
 from ddp_magics.private_files import UnsafeDirectory, private_root, write_atomically
 
 CLUSTERS_ROOT_NAME = f"ddp_magics-{os.geteuid()}"  # under the temp directory, private to this user
@@ -80,7 +79,6 @@ def _remove_if_orphaned(workdir: Path) -> list[str]:
     if processes:
         stop_processes(processes, grace=0)
         reports.append(f"stopped {len(processes)} processes of {workdir.name}, whose kernel had ended")
-    shutil.rmtree(workdir, ignore_errors=True)
-    if workdir.exists():
+    if not remove_tree(workdir):
         reports.append(f"could not remove {workdir}")
     return reports

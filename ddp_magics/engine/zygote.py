@@ -37,7 +37,6 @@ import json
 import os
 import pickle
 import select
-import shutil
 import signal
 import socket
 import struct
@@ -57,6 +56,7 @@ from ddp_magics.lifetime import (
     kill_now,
     lifeline_connection,
     record_process,
+    remove_tree,
 )
 from ddp_magics.private_files import unix_address
 from ddp_magics.protocol import ZYGOTE_CHILD_ENDED
@@ -171,7 +171,8 @@ def _first_line(fd: int) -> bytes:
 def _stop(cluster_dir: Path) -> None:
     """The cluster stops: kill what this zygote forked, remove the host's directory, exit."""
     kill_now(psutil.Process().children(recursive=True))
-    shutil.rmtree(cluster_dir, ignore_errors=True)
+    if not remove_tree(cluster_dir):
+        print(f"ddp_magics zygote: could not remove {cluster_dir}", file=sys.stderr)
     os._exit(0)
 
 
