@@ -147,7 +147,11 @@ def lab():
 def browser():
     with playwright_api.sync_playwright() as playwright:
         chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        yield chromium
+        # One context for the module: its pages share the HTTP and compiled-script caches, so
+        # JupyterLab's bundle is fetched and compiled once, not once per test.
+        context = chromium.new_context(viewport={"width": 1400, "height": 1000})
+        yield context
+        context.close()
         chromium.close()
 
 
@@ -220,7 +224,7 @@ def open_notebook(lab, browser):
     opened: list[Notebook] = []
 
     def open_(name: str) -> Notebook:
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page = browser.new_page()
         notebook = Notebook(page, name)
         # A workspace of its own: the page shows this notebook alone, not those opened before.
         page.goto(lab.url(f"lab/workspaces/{Path(name).stem}/tree/{name}"))
