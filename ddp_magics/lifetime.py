@@ -23,7 +23,6 @@ import os
 import secrets
 import select
 import selectors
-import shutil
 import socket
 import sys
 import threading
@@ -33,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+
+from ddp_magics.private_files import remove_tree
 
 OWNER_ENV = "DDP_MAGICS_OWNER"
 CLUSTER_DIR_ENV = "DDP_MAGICS_CLUSTER_DIR"
@@ -44,7 +45,6 @@ POLL_SECONDS = 0.2
 OWNER_GONE_EXIT_CODE = 3
 RECORDED_PIDS_FILE = "processes"  # PIDs of the cluster's processes ipyparallel does not list
 EXIT_POLL_SECONDS = 0.02
-REMOVE_SECONDS = 2.0  # for a directory to go while a process that writes in it is ending
 # A lifeline client must send the secret within this time.
 AUTH_SECONDS = 10.0
 ACCEPT_BACKOFF_SECONDS = 0.1
@@ -359,20 +359,6 @@ def exit_with_children(owner: Owner, cluster_dir: Path | None = None) -> None:
 
 
 # -------------------------------------------------------------- the cluster's files
-def remove_tree(path: Path, timeout: float = REMOVE_SECONDS) -> bool:
-    """Remove the directory ``path`` and all in it, again while something still writes in it
-    (``shutil.rmtree`` gives up on a directory that got a new entry while it was being emptied),
-    for up to ``timeout`` seconds. Whether it is gone."""
-    deadline = time.monotonic() + timeout
-    while True:
-        shutil.rmtree(path, ignore_errors=True)
-        if not os.path.lexists(path):
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(EXIT_POLL_SECONDS)
-
-
 def cluster_processes(cluster_dir: Path) -> list[psutil.Process]:
     """The controller and engines listed in the cluster's ipyparallel files, with their
     children (nannies, schedulers), as far as they still run.

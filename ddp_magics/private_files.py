@@ -1,5 +1,5 @@
 """Files only this user can touch: the state root under the temp directory, files written whole,
-and Unix sockets inside such directories whatever the length of their path.
+Unix sockets inside such directories whatever the length of their path, and their removal.
 
 On a shared machine a predictable path under /tmp belongs to whoever made it first. The state
 root is used only once it is shown to be ours: a real directory (not a symlink), owned by this
@@ -12,13 +12,19 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import stat
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 # sockaddr_un holds 108 bytes with the terminating NUL.
 MAX_UNIX_PATH = 107
+
+
+REMOVE_SECONDS = 2.0  # for a directory to go while a process that writes in it is ending
+REMOVE_POLL_SECONDS = 0.02
 
 
 class UnsafeDirectory(RuntimeError):
@@ -91,3 +97,17 @@ def unix_address(path: Path) -> Iterator[str]:
         yield f"/proc/self/fd/{directory}/{path.name}"
     finally:
         os.close(directory)
+
+
+def remove_tree(path: Path, timeout: float = REMOVE_SECONDS) -> bool:
+    """Remove the directory ``path`` and all in it, again while something still writes in it
+    (``shutil.rmtree`` gives up on a directory that got a new entry while it was being emptied),
+    for up to ``timeout`` seconds. Whether it is gone."""
+    deadline = time.monotonic() + timeout
+    while True:
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.lexists(path):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(REMOVE_POLL_SECONDS)

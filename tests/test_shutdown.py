@@ -28,9 +28,9 @@ from ddp_magics.lifetime import (
     Owner,
     machine_boot_id,
     process_alive,
-    remove_tree,
     start_ticks,
 )
+from ddp_magics.private_files import remove_tree
 from tests.conftest import assert_gone, start_kernel_with_cluster
 
 # Starts a cluster in a fresh interpreter and prints the PIDs of everything it runs.

@@ -46,9 +46,8 @@ from ddp_magics.lifetime import (
     is_running,
     kill_now,
     launch_environment,
-    remove_tree,
 )
-from ddp_magics.private_files import UnsafeDirectory
+from ddp_magics.private_files import UnsafeDirectory, remove_tree
 from ddp_magics.protocol import ZYGOTE_CHILD_ENDED
 
 # ipyparallel's engine checks the controller's pings every heartbeat period plus this.

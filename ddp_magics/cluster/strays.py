@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 from ddp_magics.cluster.stopping import stop_processes
-from ddp_magics.lifetime import Owner, cluster_processes, remove_tree
-from ddp_magics.private_files import UnsafeDirectory, private_root, write_atomically
+from ddp_magics.lifetime import Owner, cluster_processes
+from ddp_magics.private_files import UnsafeDirectory, private_root, remove_tree, write_atomically
 
 CLUSTERS_ROOT_NAME = f"ddp_magics-{os.geteuid()}"  # under the temp directory, private to this user
 OWNER_FILE = "owner"  # the kernel that started the cluster (lifetime.Owner), and its host's name

@@ -56,9 +56,8 @@ from ddp_magics.lifetime import (
     kill_now,
     lifeline_connection,
     record_process,
-    remove_tree,
 )
-from ddp_magics.private_files import unix_address
+from ddp_magics.private_files import remove_tree, unix_address
 from ddp_magics.protocol import ZYGOTE_CHILD_ENDED
 
 # A line of the zygote's log for each process it forked that ended: this prefix, PID, how.
