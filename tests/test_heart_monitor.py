@@ -45,9 +45,9 @@ def test_a_new_heart_is_registered_without_waiting_for_a_beat(tmp_path):
         assert header["msg_type"] == "new_heart"
         assert content["hearts"] == [heart_id.decode()]
     finally:
-        for process in (heart, monitor):
-            process.terminate()
-            process.join(10)
+        for process in (heart, monitor):  # stand-ins with nothing to clean up
+            process.kill()
+            process.join(30)
         hub.close(linger=0)
         context.term()
     assert heart.exitcode is not None and monitor.exitcode is not None
