@@ -172,6 +172,51 @@ def test_a_rank_whose_dumps_nobody_reads_is_not_blocked(tmp_path):
     assert finished.stdout == "not blocked\n"
 
 
+# Run by ``python -c`` as exec'd code (as an xdist worker runs): the main thread's two outermost
+# frames are both "<string>" in <module>. The dump is written in two parts, paused just after the
+# first of them, where a reader that knew only the outermost frame would take the dump as ended.
+EXEC_DUMP_READ = textwrap.dedent(
+    """
+    import faulthandler, os, tempfile, threading, time
+    from ddp_magics.engine.inspector import DumpEnd, DumpReader, dump_pipe
+
+    def main():
+        with tempfile.TemporaryFile() as file:
+            faulthandler.dump_traceback(file, all_threads=True)
+            file.seek(0)
+            dump = file.read()
+        upper_module_frame = dump.index(b" in <module>\\n") + len(b" in <module>\\n")
+        assert upper_module_frame < len(dump), "the outermost frame must come after"
+        read_end, write_end = dump_pipe()
+
+        def write_with_a_pause():
+            os.write(write_end, dump[:upper_module_frame])
+            time.sleep(0.3)
+            os.write(write_end, dump[upper_module_frame:])
+
+        writer = threading.Thread(target=write_with_a_pause)
+        writer.start()
+        text = DumpReader(read_end, DumpEnd.of_this_process()).next_dump()
+        writer.join()
+        print("whole" if text == dump.decode() else f"cut short: {text[-200:]!r}", flush=True)
+
+    main()
+    """
+)
+
+
+def test_a_dump_from_code_exec_d_by_python_c_is_read_whole():
+    finished = subprocess.run(
+        [sys.executable, "-c", f"exec({EXEC_DUMP_READ!r})"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+    assert finished.returncode == 0, finished.stderr
+    assert finished.stdout == "whole\n"
+
+
 def test_32_threads_of_a_hung_rank_reach_the_notebook_whole(ip, healthy):
     cell = DEEP_THREADS + "dist.barrier() if rank == 0 else None\n"
     _, error = run_cell(ip, "--timeout 3", cell)
