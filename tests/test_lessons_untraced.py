@@ -11,10 +11,13 @@ call and the mismatch, which an untraced one cannot).
 from __future__ import annotations
 
 import re
+import signal
+from contextlib import contextmanager
 from pathlib import Path
 
 import nbformat
 import pytest
+from jupyter_client.kernelspec import NoSuchKernel
 from nbclient import NotebookClient
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
@@ -22,6 +25,24 @@ TRACED = re.compile(r"^%%distributed\b.*--(trace|diagram)\b", re.MULTILINE)
 TRACE_NAME = re.compile(r"--trace\s+([A-Za-z_]\w*)")
 LIVE_VIEW = "application/vnd.jupyter.widget-view+json"
 OPTIONS = re.compile(r"\s--diagram\b|\s--trace\s+[A-Za-z_]\w*")
+
+
+@contextmanager
+def signal_handling_kept():
+    """nbclient handles SIGINT and SIGTERM (asyncio signal handlers, with the loop's wakeup fd) while
+    it runs a notebook, and leaves them set when the kernel fails to start (nbclient 0.11,
+    ``async_setup_kernel``: they are removed in a ``finally`` entered only once the kernel
+    answered). The worker's Ctrl-C and SIGTERM, and those of processes forked from it later, would
+    then do nothing (seen: a test's SIGTERMed child that lived on)."""
+    handlers = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
+    wakeup_fd = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(wakeup_fd)
+    try:
+        yield
+    finally:
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
+        signal.set_wakeup_fd(wakeup_fd)
 
 
 def lessons_with_traces() -> list[str]:
@@ -73,16 +94,24 @@ def test_a_lesson_untraced_computes_what_it_did_traced(lesson):
             continue
         if "nbval-ignore-output" not in cell.metadata.get("tags", []):
             checked.append(index)
-    NotebookClient(
-        untraced,
-        kernel_name="python3",
-        timeout=120,
-        allow_errors=True,
-        resources={"metadata": {"path": str(NOTEBOOKS)}},
-    ).execute()
+    with signal_handling_kept():
+        NotebookClient(
+            untraced,
+            kernel_name="python3",
+            timeout=120,
+            allow_errors=True,
+            resources={"metadata": {"path": str(NOTEBOOKS)}},
+        ).execute()
     differences = [
         (index, compared(committed.cells[index].outputs), compared(untraced.cells[index].outputs))
         for index in checked
         if compared(committed.cells[index].outputs) != compared(untraced.cells[index].outputs)
     ]
     assert not differences, differences
+
+
+def test_a_kernel_that_fails_to_start_leaves_signal_handling_as_it_was():
+    before = [signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)]
+    with pytest.raises(NoSuchKernel), signal_handling_kept():
+        NotebookClient(nbformat.v4.new_notebook(), kernel_name="no-such-kernel").execute()
+    assert [signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)] == before
