@@ -82,6 +82,9 @@ class Lab:
             f"--IdentityProvider.token={self.token}",
             f"--ServerApp.root_dir={self.root}",
             "--ServerApp.log_level=WARN",
+            # Kernels on Unix sockets in the runtime directory: no TCP ports, none to lose to
+            # another process between jupyter_client choosing them and the kernel binding them.
+            "--KernelManager.transport=ipc",
         ]
         if os.getuid() == 0:
             command.append("--allow-root")
