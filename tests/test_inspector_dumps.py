@@ -177,30 +177,13 @@ def test_a_rank_whose_dumps_nobody_reads_is_not_blocked(tmp_path):
 # first of them, where a reader that knew only the outermost frame would take the dump as ended.
 EXEC_DUMP_READ = textwrap.dedent(
     """
-    import faulthandler, os, tempfile, threading, time
-    from ddp_magics.engine.inspector import DumpEnd, DumpReader, dump_pipe
+    from tests.test_inspector_dumps import dump_all_threads, read_while_writing
 
-    def main():
-        with tempfile.TemporaryFile() as file:
-            faulthandler.dump_traceback(file, all_threads=True)
-            file.seek(0)
-            dump = file.read()
-        upper_module_frame = dump.index(b" in <module>\\n") + len(b" in <module>\\n")
-        assert upper_module_frame < len(dump), "the outermost frame must come after"
-        read_end, write_end = dump_pipe()
-
-        def write_with_a_pause():
-            os.write(write_end, dump[:upper_module_frame])
-            time.sleep(0.3)
-            os.write(write_end, dump[upper_module_frame:])
-
-        writer = threading.Thread(target=write_with_a_pause)
-        writer.start()
-        text = DumpReader(read_end, DumpEnd.of_this_process()).next_dump()
-        writer.join()
-        print("whole" if text == dump.decode() else f"cut short: {text[-200:]!r}", flush=True)
-
-    main()
+    dump = dump_all_threads()
+    upper_module_frame = dump.index(b" in <module>\\n") + len(b" in <module>\\n")
+    assert upper_module_frame < len(dump), "the outermost frame must come after"
+    text = read_while_writing(dump, upper_module_frame, pause=0.3)
+    print("whole" if text == dump.decode() else f"cut short: {text[-200:]!r}", flush=True)
     """
 )
 
