@@ -147,7 +147,7 @@ def lab():
 
 
 @pytest.fixture(scope="module")
-def browser():
+def browser_context():
     with playwright_api.sync_playwright() as playwright:
         chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         # One context for the module: its pages share the HTTP and compiled-script caches, so
@@ -222,12 +222,12 @@ class Notebook:
 
 
 @pytest.fixture
-def open_notebook(lab, browser):
+def open_notebook(lab, browser_context):
     """Open a notebook in JupyterLab; at the end its kernel is shut down and the page closed."""
     opened: list[Notebook] = []
 
     def open_(name: str) -> Notebook:
-        page = browser.new_page()
+        page = browser_context.new_page()
         notebook = Notebook(page, name)
         # A workspace of its own: the page shows this notebook alone, not those opened before.
         page.goto(lab.url(f"lab/workspaces/{Path(name).stem}/tree/{name}"))
