@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -29,6 +30,14 @@ def ip():
     shell.run_line_magic("load_ext", "ddp_magics")
     yield shell
     shell.run_line_magic("unload_ext", "ddp_magics")
+
+
+@pytest.fixture
+def temp_dir(tmp_path, monkeypatch):
+    """tempfile's directory (where the state root lives) moved to a fresh directory of the test's:
+    what a test plants there is out of the other workers' reach (their %load_ext sweeps strays)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    return tmp_path
 
 
 def current_magics(ip) -> DistributedMagics:

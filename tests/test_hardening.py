@@ -31,13 +31,6 @@ OTHER_UID = 65534  # nobody
 IS_ROOT = os.geteuid() == 0
 
 
-@pytest.fixture
-def temp_dir(tmp_path, monkeypatch):
-    """tempfile's directory (where the state root lives) moved to a fresh directory of the test's."""
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    return tmp_path
-
-
 def _plant(kind: str, temp: Path) -> tuple[Path, Path]:
     """A state root as another user could leave it; returns it and the directory that would
     receive what is written into it."""

@@ -155,7 +155,7 @@ def _cluster_json(pids: list[int]) -> str:
     return json.dumps({"controller": {"state": {"pid": -1}}, "engines": {"sets": sets}})
 
 
-def test_stray_recovery_stops_only_the_clusters_own_processes():
+def test_stray_recovery_stops_only_the_clusters_own_processes(temp_dir):
     workdir = _stray_cluster("running", cluster_json=None)
     ours = subprocess.Popen(["sleep", "60"], env={**os.environ, CLUSTER_DIR_ENV: str(workdir)})
     not_ours = subprocess.Popen(["sleep", "60"])  # its PID is listed too, as a reused PID would be
@@ -175,7 +175,7 @@ def test_stray_recovery_stops_only_the_clusters_own_processes():
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def test_stray_recovery_of_half_removed_clusters_never_raises(ip):
+def test_stray_recovery_of_half_removed_clusters_never_raises(ip, temp_dir):
     """What a controller removing its directory, or a crash while writing, leaves behind."""
     half_written = _stray_cluster("half-written", cluster_json='{"controller": {"sta')
     no_cluster_file = _stray_cluster("no-cluster-file", cluster_json=None)
