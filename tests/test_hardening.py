@@ -186,7 +186,8 @@ def test_a_clock_step_leaves_a_running_cluster_alone(ip, healthy, monkeypatch):
         assert select.select([pidfd], [], [], 0)[0] == []  # not "gone"
     finally:
         os.close(pidfd)
-    assert stop_stray_clusters() == []
+    swept = stop_stray_clusters()  # other workers' clusters share this root: only ours matters
+    assert not [report for report in swept if cluster.workdir.name in report]
     assert cluster.workdir.exists() and not cluster.dead_ranks()
     assert _on_ranks(ip, "print(rank)") == ["0", "1"]
 
