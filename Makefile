@@ -26,9 +26,11 @@ $(PY):
 
 # Re-runs only when the dependencies or their pins change (or the venv is new). The kernel spec
 # installed into the venv makes "python3" run the venv's python, in JupyterLab and under nbclient.
+# ipykernel stages the spec in a temp folder it leaves behind (empty): it gets one of its own, removed.
 $(STAMP): pyproject.toml constraints.txt | $(PY)
 	$(PIP) install $(CONSTRAINTS) -e ".[test,mpi]"
-	$(PY) -m ipykernel install --sys-prefix --name python3
+	kernel_temp=$$(mktemp -d) && TMPDIR=$$kernel_temp $(PY) -m ipykernel install --sys-prefix --name python3 \
+		&& rm -r $$kernel_temp
 	touch $@
 
 # Warnings only, so the link to open stays in sight.

@@ -42,7 +42,9 @@ def test_lesson10_sbatch_recipe_trains_on_a_one_node_slurm():
         venv_bin = str(Path(sys.executable).parent)  # torchrun of this environment first on PATH
         with OneNodeSlurm() as slurm:  # sets SLURM_CONF in this process's environment
             path = venv_bin + os.pathsep + os.environ["PATH"]
-            env = dict(os.environ, PATH=path, MASTER_PORT=str(unused_port()))
+            # torchrun makes a log folder in the temp directory when not given --log-dir, and never
+            # removes it: the job's temp directory is the test's own.
+            env = dict(os.environ, PATH=path, MASTER_PORT=str(unused_port()), TMPDIR=str(workdir))
             submitted = subprocess.run(
                 ["sbatch", "--parsable", "--wait", "--nodes=1", f"--chdir={workdir}", "train.sbatch"],
                 cwd=workdir,
