@@ -34,6 +34,7 @@ from pathlib import Path
 import psutil
 
 from ddp_magics.private_files import remove_tree
+from ddp_magics.shared_memory import mapped_segments, remove_segments
 
 OWNER_ENV = "DDP_MAGICS_OWNER"
 CLUSTER_DIR_ENV = "DDP_MAGICS_CLUSTER_DIR"
@@ -346,12 +347,14 @@ def exit_with_children(owner: Owner, cluster_dir: Path | None = None) -> None:
     other processes and remove the directory. Never returns."""
     print(f"ddp_magics: the cluster's owner (PID {owner.pid}) has ended; exiting", file=sys.stderr)
     me = psutil.Process()
-    kill_now(me.children(recursive=True))
+    processes = [me, *me.children(recursive=True)]
+    segments = mapped_segments(process.pid for process in processes)  # MPI's, of a killed job
+    kill_now(processes[1:])
+    remove_segments(segments)
     if cluster_dir is not None:
         others = [p for p in cluster_processes(cluster_dir) if p.pid != me.pid]
-        # They watch the owner too and are normally gone already.
-        kill_now(wait_for_exit(others, timeout=2))
-        # This process's own main thread may still write in it (ipyparallel's hub saves its
+        kill_now(wait_for_exit(others, timeout=2))  # they watch the owner too: normally gone
+        # This process's main thread may still write in it (ipyparallel's hub saves its
         # engines' state as it hears of their end).
         if not remove_tree(cluster_dir):
             print(f"ddp_magics: could not remove {cluster_dir}", file=sys.stderr)
@@ -422,10 +425,7 @@ def cluster_file_pids(cluster_file: Path) -> list[int]:
 
 def wait_for_exit(processes: Iterable[psutil.Process], timeout: float) -> list[psutil.Process]:
     """Wait until the processes have exited; returns those still running after ``timeout``.
-
-    A zombie has exited: it only waits for its parent (init, for an orphan) to reap it,
-    which ``psutil.wait_procs`` would wait for too.
-    """
+    A zombie has exited: only its parent's reaping is left (which ``psutil.wait_procs`` awaits)."""
     deadline = time.monotonic() + timeout
     running = list(processes)
     while True:

@@ -11,12 +11,13 @@ import ddp_magics
 
 PACKAGE = Path(ddp_magics.__file__).parent
 # What engine code may import of ddp_magics: itself, the shared records, process lifetime,
-# private files, addresses.
+# private files, addresses, MPI's shared memory segments.
 SHARED_MODULES = (
     "ddp_magics.protocol",
     "ddp_magics.lifetime",
     "ddp_magics.private_files",
     "ddp_magics.addresses",
+    "ddp_magics.shared_memory",
 )
 ENGINE_MAY_IMPORT = ("ddp_magics.engine", *SHARED_MODULES)
 
@@ -62,7 +63,8 @@ def test_engine_code_imports_no_notebook_code():
 
 
 def test_shared_modules_import_nothing_of_either_side():
-    """They may use one another (lifetime removes directories as private_files does)."""
+    """They may use one another (lifetime removes directories as private_files does, and MPI's
+    segments as shared_memory does)."""
     for shared in SHARED_MODULES:
         path = PACKAGE / f"{shared.rpartition('.')[2]}.py"
         either_side = {

@@ -270,3 +270,69 @@ def test_a_process_of_another_host_ends_when_the_owners_lifeline_closes(tmp_path
             watcher.kill()
             watcher.wait()
         watcher.stdout.close()
+
+
+# An MPI rank's shared segment as MPICH names it (/dev/shm/mpich_shm_*), mapped; and one of the
+# same pattern it does not map, which is not its to remove.
+MAPPER = """
+import mmap, os, sys, time
+from ddp_magics.lifetime import watch_owner
+mapped, unmapped = sys.argv[1:3]
+descriptor = os.open(mapped, os.O_CREAT | os.O_RDWR, 0o600)
+os.ftruncate(descriptor, 4096)
+segment = mmap.mmap(descriptor, 4096)
+os.close(os.open(unmapped, os.O_CREAT | os.O_RDWR, 0o600))
+watch_owner()
+print("mapped", flush=True)
+time.sleep(60)
+"""
+
+
+@contextlib.contextmanager
+def _mapped_segment(name: str, environment: dict[str, str]):
+    """A process mapping a segment; yields it, the segment and the unmapped one."""
+    mapped, unmapped = (Path(f"/dev/shm/mpich_shm_ddptest{name}{os.getpid()}_{n}") for n in (0, 1))
+    process = subprocess.Popen(
+        [sys.executable, "-c", MAPPER, str(mapped), str(unmapped)],
+        env=environment,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout.readline() == "mapped\n"
+        yield process, mapped, unmapped
+    finally:
+        process.kill()
+        process.wait()
+        process.stdout.close()
+        for path in (mapped, unmapped):
+            path.unlink(missing_ok=True)
+
+
+def test_a_rank_whose_owner_ended_removes_the_mpi_segment_it_mapped(tmp_path):
+    owner_process = subprocess.Popen(["sleep", "60"])
+    try:
+        owner = Owner(owner_process.pid, start_ticks(owner_process.pid), machine_boot_id())
+        environment = {**os.environ, OWNER_ENV: str(owner), CLUSTER_DIR_ENV: str(tmp_path)}
+        with _mapped_segment("owner", environment) as (rank, mapped, unmapped):
+            owner_process.kill()
+            assert rank.wait(timeout=10) == OWNER_GONE_EXIT_CODE
+            assert not mapped.exists()
+            assert unmapped.exists()
+    finally:
+        owner_process.kill()
+        owner_process.wait()
+
+
+def test_stray_recovery_removes_the_mpi_segments_the_clusters_processes_mapped(temp_dir):
+    workdir = _stray_cluster("mpi", cluster_json=None)
+    environment = {**os.environ, CLUSTER_DIR_ENV: str(workdir)}
+    try:
+        with _mapped_segment("stray", environment) as (rank, mapped, unmapped):
+            (workdir / "profile" / "security" / "cluster-1-abcd.json").write_text(_cluster_json([rank.pid]))
+            assert stop_stray_clusters() == [f"stopped 1 processes of {workdir.name}, whose kernel had ended"]
+            assert rank.wait(timeout=5) == -signal.SIGKILL
+            assert not mapped.exists()
+            assert unmapped.exists()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
