@@ -34,7 +34,7 @@ from pathlib import Path
 import psutil
 
 from ddp_magics.private_files import remove_tree
-from ddp_magics.shared_memory import mapped_segments, remove_segments
+from ddp_magics.shared_memory import segments_removed_after
 
 OWNER_ENV = "DDP_MAGICS_OWNER"
 CLUSTER_DIR_ENV = "DDP_MAGICS_CLUSTER_DIR"
@@ -347,10 +347,9 @@ def exit_with_children(owner: Owner, cluster_dir: Path | None = None) -> None:
     other processes and remove the directory. Never returns."""
     print(f"ddp_magics: the cluster's owner (PID {owner.pid}) has ended; exiting", file=sys.stderr)
     me = psutil.Process()
-    processes = [me, *me.children(recursive=True)]
-    segments = mapped_segments(process.pid for process in processes)  # MPI's, of a killed job
-    kill_now(processes[1:])
-    remove_segments(segments)
+    children = me.children(recursive=True)
+    with segments_removed_after([me.pid, *(child.pid for child in children)]):  # MPI's, if a rank
+        kill_now(children)
     if cluster_dir is not None:
         others = [p for p in cluster_processes(cluster_dir) if p.pid != me.pid]
         kill_now(wait_for_exit(others, timeout=2))  # they watch the owner too: normally gone

@@ -4,7 +4,8 @@ MPICH names the segment its ranks on one machine share ``/mpich_shm_<hex>_<n>`` 
 ``/mpich_shm_%x_%d``) and removes it in ``MPI_Finalize``. Ranks are killed, never finalized (a
 rank blocked in a collective ignores SIGTERM), so each MPI job would leave its segment, a
 megabyte or more of the machine's memory, until the next boot. Whoever kills a cluster's
-processes reads the segments they map first and removes them once they are killed. Only names
+processes reads the segments they map first and removes them once they are killed
+(:func:`segments_removed_after`). Only names
 of that pattern, this user's, and mapped by the processes killed: never a file someone keeps in
 /dev/shm on purpose.
 """
@@ -15,13 +16,24 @@ import contextlib
 import os
 import re
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 SHM_DIRECTORY = Path("/dev/shm")
 SEGMENT_PREFIX = "mpich_shm_"
 # A line of /proc/PID/maps that maps one (a removed file's name ends in " (deleted)").
 _MAPPED_SEGMENT = re.compile(rb" (/dev/shm/" + re.escape(SEGMENT_PREFIX.encode()) + rb"[^\s/]+)\n")
+
+
+@contextlib.contextmanager
+def segments_removed_after(pids: Iterable[int]) -> Iterator[None]:
+    """Around killing the processes of ``pids``: the MPI segments they map, read before, are
+    removed after."""
+    segments = mapped_segments(pids)
+    try:
+        yield
+    finally:
+        remove_segments(segments)
 
 
 def mapped_segments(pids: Iterable[int]) -> set[Path]:

@@ -49,7 +49,7 @@ from ddp_magics.lifetime import (
 )
 from ddp_magics.private_files import UnsafeDirectory, remove_tree
 from ddp_magics.protocol import ZYGOTE_CHILD_ENDED
-from ddp_magics.shared_memory import mapped_segments, remove_segments
+from ddp_magics.shared_memory import segments_removed_after
 
 # ipyparallel's engine checks the controller's pings every heartbeat period plus this.
 ENGINE_HEARTBEAT_CHECK_EXTRA_MS = 500
@@ -246,16 +246,15 @@ class ClusterProcesses:
         # Local engines are waited for by PID; others are gone once the controller has seen them go.
         zygote = psutil.Process(self._zygote.process.pid) if self._zygote else None
         old_engines = zygote.children(recursive=True) if zygote else []
-        segments = mapped_segments(process.pid for process in old_engines or self.processes())
         progress(f"stopping the {n} engines")
         old_sets = list(self._controller.engines)
-        if self.all_engines_here:
-            kill_with_their_groups(old_engines)
-            self.engines.forget(self.engines.ids)
-        else:
-            self.engines.kill_all(STOP_GRACE_SECONDS)
-        stop_processes(old_engines)
-        remove_segments(segments)
+        with segments_removed_after(process.pid for process in old_engines or self.processes()):
+            if self.all_engines_here:
+                kill_with_their_groups(old_engines)
+                self.engines.forget(self.engines.ids)
+            else:
+                self.engines.kill_all(STOP_GRACE_SECONDS)
+            stop_processes(old_engines)
         self.engines.set_ranks([])
         if self._zygote is not None and self._zygote.environment_changed():
             progress("the notebook's environment changed: importing torch again in it")
@@ -289,16 +288,15 @@ class ClusterProcesses:
         controller, zygote = self._controller, self._zygote
         self._controller = self._zygote = None
         processes = cluster_processes(self.workdir) if self.workdir is not None else []
-        segments = mapped_segments(process.pid for process in processes)
         try:
-            if controller is not None:
-                self.engines.kill_all(STOP_GRACE_SECONDS)
-                controller.stop_cluster_sync()
-            if zygote is not None:
-                zygote.stop()
-            stop_processes(processes)
+            with segments_removed_after(process.pid for process in processes):
+                if controller is not None:
+                    self.engines.kill_all(STOP_GRACE_SECONDS)
+                    controller.stop_cluster_sync()
+                if zygote is not None:
+                    zygote.stop()
+                stop_processes(processes)
         finally:
-            remove_segments(segments)
             self._other_hosts.stop()
             if self._lifeline is not None:
                 self._lifeline.close()

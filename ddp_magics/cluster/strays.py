@@ -14,7 +14,7 @@ from pathlib import Path
 from ddp_magics.cluster.stopping import stop_processes
 from ddp_magics.lifetime import Owner, cluster_processes
 from ddp_magics.private_files import UnsafeDirectory, private_root, remove_tree, write_atomically
-from ddp_magics.shared_memory import mapped_segments, remove_segments
+from ddp_magics.shared_memory import segments_removed_after
 
 CLUSTERS_ROOT_NAME = f"ddp_magics-{os.geteuid()}"  # under the temp directory, private to this user
 OWNER_FILE = "owner"  # the kernel that started the cluster (lifetime.Owner), and its host's name
@@ -77,11 +77,10 @@ def _remove_if_orphaned(workdir: Path) -> list[str]:
             return []
     reports = []
     processes = cluster_processes(workdir)
-    segments = mapped_segments(process.pid for process in processes)
     if processes:
-        stop_processes(processes, grace=0)
+        with segments_removed_after(process.pid for process in processes):
+            stop_processes(processes, grace=0)
         reports.append(f"stopped {len(processes)} processes of {workdir.name}, whose kernel had ended")
-    remove_segments(segments)
     if not remove_tree(workdir):
         reports.append(f"could not remove {workdir}")
     return reports
