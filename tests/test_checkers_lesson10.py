@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from IPython.utils.capture import capture_output
 
-from tests.test_checkers import assert_checker, assert_run_all, lesson_cell, reference_answer
+from tests.checker_harness import assert_checker, assert_run_all, lesson_cell, reference_answer
 
 LESSON = "10_torchrun_multinode"
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_checkers import assert_checker, assert_run_all, lesson_cell, on_ranks
+from tests.checker_harness import assert_checker, assert_run_all, lesson_cell, on_ranks
 
 LESSON = "11_ddp_internals_and_bandwidth"
 

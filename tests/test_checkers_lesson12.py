@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 from IPython.utils.capture import capture_output
 
+from tests.checker_harness import assert_checker, assert_run_all, on_ranks
 from tests.conftest import running_cluster
-from tests.test_checkers import assert_checker, assert_run_all, on_ranks
 
 LESSON = "12_debugging"
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.checker_harness import assert_checker, assert_run_all, lesson_cell, on_ranks
 from tests.conftest import running_cluster
-from tests.test_checkers import assert_checker, assert_run_all, lesson_cell, on_ranks
 
 LESSON = "14_fsdp"
 WORLD = 2

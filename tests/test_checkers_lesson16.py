@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_checkers import assert_checker, assert_run_all, check
+from tests.checker_harness import assert_checker, assert_run_all, check
 
 LESSON = "16_pipeline_parallel"
 WORLD = 2

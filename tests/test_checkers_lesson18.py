@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_checkers import assert_checker, assert_run_all
+from tests.checker_harness import assert_checker, assert_run_all
 
 LESSON = "18_expert_parallel"
 WORLD = 2

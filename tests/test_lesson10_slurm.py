@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.checker_harness import lesson_cell
 from tests.one_node_slurm import OneNodeSlurm, skip_reason
 from tests.ports import unused_port
-from tests.test_checkers import lesson_cell
 
 pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")
 
