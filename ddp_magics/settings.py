@@ -15,6 +15,12 @@ from ddp_magics.cluster.records import BACKENDS, LAUNCHERS
 from ddp_magics.protocol import DEFAULT_VALUES_LIMIT
 
 
+def _set_by_course(variable: str) -> int | None:
+    """A default the course hub's spawner sets for every learner (course/spawner.py), if set."""
+    value = os.environ.get(variable, "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
 class Settings(Configurable):
     """Defaults of %dist_start and %%distributed, and how cells are waited for and shown."""
 
@@ -103,9 +109,13 @@ class Settings(Configurable):
         Unicode(), [], config=True, help="mpiexec command for --engines mpi (default: the mpi extra's MPICH)."
     )
 
+    @default("default_world_size")
+    def _course_world_size(self) -> int | None:
+        return _set_by_course("DDP_MAGICS_DEFAULT_WORLD_SIZE")
+
     @default("max_local_ranks")
     def _eight_per_core(self) -> int:
-        return max(64, 8 * (os.cpu_count() or 1))
+        return _set_by_course("DDP_MAGICS_MAX_LOCAL_RANKS") or max(64, 8 * (os.cpu_count() or 1))
 
     @default("remote_python")
     def _this_python(self) -> str:
