@@ -1,7 +1,7 @@
-"""Lesson 10's exercise checkers fail the obvious wrong answers and pass the reference solutions.
+"""Lesson 10's checkers refuse wrong answers (right on some layouts, by a wrong method) and pass right ones.
 
-Exercise 1 runs on the ranks (a real 2-rank gloo cluster, with torchrun's assignments as the lesson records
-them); exercise 2 runs in the notebook's own namespace, with the lesson's fake Slurm, in a temporary folder.
+Both exercises run in the notebook's own namespace: exercise 1 with section 4's run as the lesson records it,
+exercise 2 with the lesson's fake ``scontrol`` on ``PATH``, in a temporary folder. No cluster is needed.
 """
 
 from __future__ import annotations
@@ -9,134 +9,131 @@ from __future__ import annotations
 import pytest
 from IPython.utils.capture import capture_output
 
-from tests.checker_harness import assert_checker, assert_run_all, lesson_cell, reference_answer
+from tests.checker_harness import lesson_cell, reference_answer
 
 LESSON = "10_torchrun_multinode"
 
-# What torchrun set in the lesson's runs: 1 node x 2 workers, 2 nodes x 1 (static), 2 nodes x 2 (c10d).
-LAYOUTS = [(1, 2), (2, 1), (2, 2)]
-OBSERVED = [
-    {
-        "RANK": node * nproc + local,
-        "WORLD_SIZE": nodes * nproc,
-        "LOCAL_RANK": local,
-        "LOCAL_WORLD_SIZE": nproc,
-        "GROUP_RANK": node,
-        "GROUP_WORLD_SIZE": nodes,
-    }
-    for nodes, nproc in LAYOUTS
-    for node in range(nodes)
-    for local in range(nproc)
-]
+# Section 4: agents "localhost" (arrived first) and "127.0.0.1", two workers each; ranks by host name.
+RUN3 = [("127.0.0.1", 0), ("127.0.0.1", 1), ("localhost", 0), ("localhost", 1)]
 
-PLACE_WRONG = {
-    "one node only": """
-def place(rank, world_size, nproc_per_node):
-    return 0, rank
+RANKS_WRONG = {
+    "arrival order, not names": """
+def ranks_by_host(agents):
+    return [(host, local) for host, count in agents for local in range(count)]
 """,
-    "round robin over the nodes": """
-def place(rank, world_size, nproc_per_node):
-    nnodes = world_size // nproc_per_node
-    return rank % nnodes, rank // nnodes
+    "names sorted as numbers (node2 before node10)": """
+import re
+def ranks_by_host(agents):
+    key = lambda agent: [int(t) if t.isdigit() else t for t in re.split(r"(\\d+)", agent[0])]
+    return [(host, local) for host, count in sorted(agents, key=key) for local in range(count)]
 """,
-    "local rank and node swapped": """
-def place(rank, world_size, nproc_per_node):
-    return rank % nproc_per_node, rank // nproc_per_node
+    "RANK = GROUP_RANK x nproc + LOCAL_RANK with the first agent's nproc": """
+def ranks_by_host(agents):
+    hosts, nproc = sorted(h for h, _ in agents), agents[0][1]
+    total = sum(count for _, count in agents)
+    return [(hosts[min(r // nproc, len(hosts) - 1)], r % nproc) for r in range(total)]
+""",
+    "GROUP_RANK in place of the host": """
+def ranks_by_host(agents):
+    return [(node, local) for node, (host, count) in enumerate(sorted(agents)) for local in range(count)]
 """,
 }
 
+RANKS_RIGHT_OTHERWISE = """
+import itertools
+def ranks_by_host(agents):
+    ordered = sorted(agents, key=lambda agent: agent[0])
+    starts = [0, *itertools.accumulate(count for _, count in ordered)]
+    return {start + local: [host, local]
+            for (host, count), start in zip(ordered, starts) for local in range(count)}
+"""
 
-@pytest.mark.parametrize("wrong", list(PLACE_WRONG))
-def test_10_place_must_match_torchrun(ip, cluster, wrong):
-    ip.user_ns["observed"] = OBSERVED
-    with capture_output():
-        ip.run_line_magic("dist_push", "observed")
-    del ip.user_ns["observed"]
-    assert_checker(ip, LESSON, 1, PLACE_WRONG[wrong], 2)
-
-
-SBATCH_WRONG = {
-    "the broken script itself": "fixed_sbatch = broken_sbatch",
-    "node rank still expanded by the batch script": """
-fixed_sbatch = broken_sbatch.replace("srun torchrun", 'srun bash -c "torchrun')
-fixed_sbatch = fixed_sbatch.replace("train.py\\n", 'train.py"\\n')
+ENV_WRONG = {
+    "RANK from node and local id (wrong under cyclic distribution)": """
+import re
+def torch_env(slurm):
+    prefix, ranges = re.match(r"([^,\\[]+)(?:\\[([^\\]]*)\\])?", slurm["SLURM_JOB_NODELIST"]).groups()
+    n = int(slurm["SLURM_NTASKS_PER_NODE"])
+    return {"RANK": int(slurm["SLURM_NODEID"]) * n + int(slurm["SLURM_LOCALID"]),
+            "WORLD_SIZE": slurm["SLURM_NTASKS"], "LOCAL_RANK": slurm["SLURM_LOCALID"], "LOCAL_WORLD_SIZE": n,
+            "GROUP_RANK": slurm["SLURM_NODEID"],
+            "MASTER_ADDR": prefix + (ranges.split(",")[0].split("-")[0] if ranges else ""),
+            "MASTER_PORT": 29500}
 """,
-    "node count written in by hand": """
-fixed_sbatch = broken_sbatch.replace(
-    'srun torchrun --nnodes "$SLURM_NNODES"', "srun bash -c 'torchrun --nnodes 2"
-)
-fixed_sbatch = fixed_sbatch.replace("train.py\\n", "train.py'\\n")
+    "MASTER_ADDR cut at the first comma": """
+def torch_env(slurm):
+    return {"RANK": slurm["SLURM_PROCID"], "WORLD_SIZE": slurm["SLURM_NTASKS"],
+            "LOCAL_RANK": slurm["SLURM_LOCALID"], "LOCAL_WORLD_SIZE": slurm["SLURM_NTASKS_PER_NODE"],
+            "GROUP_RANK": slurm["SLURM_NODEID"], "MASTER_ADDR": slurm["SLURM_JOB_NODELIST"].split(",")[0],
+            "MASTER_PORT": 29500}
 """,
-    "two agents per node": """
-fixed_sbatch = broken_sbatch.replace("--ntasks-per-node=1", "--ntasks-per-node=2")
-""",
-    "MASTER_ADDR in the environment only (torchrun ignores it)": """
-fixed_sbatch = broken_sbatch.replace("srun torchrun", "srun bash -c 'torchrun")
-fixed_sbatch = fixed_sbatch.replace("train.py\\n", "train.py'\\n")
-fixed_sbatch = fixed_sbatch.replace('--master_addr "$MASTER_ADDR" ', "")
-""",
-    "a different port on each node": """
-fixed_sbatch = broken_sbatch.replace("srun torchrun", "srun bash -c 'torchrun")
-fixed_sbatch = fixed_sbatch.replace("train.py\\n", "train.py'\\n")
-fixed_sbatch = fixed_sbatch.replace('"$MASTER_PORT"', '"$((MASTER_PORT + SLURM_NODEID))"')
+    "a port per task": """
+import subprocess
+def torch_env(slurm):
+    hosts = subprocess.run(["scontrol", "show", "hostnames", slurm["SLURM_JOB_NODELIST"]],
+                           capture_output=True, text=True, check=True).stdout.split()
+    return {"RANK": slurm["SLURM_PROCID"], "WORLD_SIZE": slurm["SLURM_NTASKS"],
+            "LOCAL_RANK": slurm["SLURM_LOCALID"], "LOCAL_WORLD_SIZE": slurm["SLURM_NTASKS_PER_NODE"],
+            "GROUP_RANK": slurm["SLURM_NODEID"], "MASTER_ADDR": hosts[0],
+            "MASTER_PORT": 29500 + int(slurm["SLURM_PROCID"])}
 """,
 }
 
+# a different right answer: scontrol (the fake one, on PATH) expands the node list
+ENV_RIGHT_OTHERWISE = ENV_WRONG["a port per task"].replace(' + int(slurm["SLURM_PROCID"])', "")
 
-def notebook_verdict(ip, solution: str) -> str:
-    """Run ``solution`` and the lesson's checker of exercise 2 in the shell; the verdict it printed."""
-    ip.user_ns.pop("fixed_sbatch", None)
-    for code in (solution, lesson_cell(LESSON, "# Checker for exercise 2")):
+
+def notebook_verdict(ip, exercise: int, solution: str) -> str:
+    """Run ``solution`` and the lesson's checker of ``exercise`` in the shell; "pass" or "fail"."""
+    for code in (solution, lesson_cell(LESSON, f"# Checker for exercise {exercise}")):
         with capture_output() as captured:
             result = ip.run_cell(code)
         assert result.error_in_exec is None and result.error_before_exec is None, captured.stdout
-    lines = [line for line in captured.stdout.splitlines() if line.startswith("exercise 2: ")]
+    lines = [line for line in captured.stdout.splitlines() if line.startswith(f"exercise {exercise}: ")]
     assert len(lines) == 1, captured.stdout
-    return "pass" if lines[0] == "exercise 2: pass" else "fail"  # or "exercise 2: not yet: ..."
+    return "pass" if lines[0] == f"exercise {exercise}: pass" else "fail"
 
 
 @pytest.fixture
-def fake_slurm_namespace(ip, tmp_path, monkeypatch):
-    """The lesson's fake Slurm and broken script, defined in the shell, working in a temporary folder."""
+def namespace(ip, tmp_path, monkeypatch):
+    """The lesson's fake Slurm tools in ./fake_bin of a temporary folder, and section 4's record."""
     monkeypatch.chdir(tmp_path)
-    for code in (
-        "import json, os, subprocess, sys",
-        lesson_cell(LESSON, "FAKES = {"),
-        lesson_cell(LESSON, "broken_sbatch = r"),
-    ):
+    ip.user_ns["run3"] = RUN3
+    for code in ("import json, os, subprocess, sys", lesson_cell(LESSON, "FAKES = {")):
         with capture_output():
             result = ip.run_cell(code)
         assert result.error_in_exec is None
+    (tmp_path / "empty.sh").write_text("true\n")
+    with capture_output():
+        assert ip.run_cell("fake_slurm('empty.sh')").error_in_exec is None  # makes fake_bin
     yield ip
-    for name in ("FAKES", "fake_slurm", "broken_sbatch", "fixed_sbatch", "torchrun_options", "check_sbatch"):
+    for name in ("FAKES", "fake_slurm", "run3", "ranks_by_host", "torch_env"):
         ip.user_ns.pop(name, None)
 
 
-@pytest.mark.parametrize("wrong", list(SBATCH_WRONG))
-def test_10_sbatch_fix_must_give_each_node_its_rank(fake_slurm_namespace, wrong):
-    ip = fake_slurm_namespace
-    assert notebook_verdict(ip, SBATCH_WRONG[wrong]) == "fail"
-    assert notebook_verdict(ip, reference_answer(LESSON, 2)) == "pass"
+@pytest.mark.parametrize("wrong", list(RANKS_WRONG))
+def test_10_ranks_by_host_refuses(namespace, wrong):
+    assert notebook_verdict(namespace, 1, RANKS_WRONG[wrong]) == "fail"
+    assert notebook_verdict(namespace, 1, reference_answer(LESSON, 1)) == "pass"
 
 
-def test_10_sbatch_fix_with_c10d_passes(fake_slurm_namespace):
-    c10d = """
-fixed_sbatch = broken_sbatch.replace(
-    'srun torchrun --nnodes "$SLURM_NNODES" --node_rank "$SLURM_NODEID" --nproc_per_node 2 \\\\\\n'
-    '    --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" train.py',
-    'srun torchrun --nnodes "$SLURM_NNODES" --nproc_per_node 2 --rdzv_backend c10d '
-    '--rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "$SLURM_JOB_ID" train.py',
-)
-assert fixed_sbatch != broken_sbatch
-"""
-    assert notebook_verdict(fake_slurm_namespace, c10d) == "pass"
+def test_10_ranks_by_host_accepts_a_dict_of_lists(namespace):
+    assert notebook_verdict(namespace, 1, RANKS_RIGHT_OTHERWISE) == "pass"
 
 
-def test_10_run_all_checks_the_learners_answers(ip, cluster, fake_slurm_namespace):
-    """Exercise 1 on the ranks, exercise 2 in the notebook, in the lesson's order."""
-    ip.user_ns["observed"] = OBSERVED
-    with capture_output():
-        ip.run_line_magic("dist_push", "observed")
-    del ip.user_ns["observed"]
-    wrong = {1: PLACE_WRONG["local rank and node swapped"], 2: SBATCH_WRONG["two agents per node"]}
-    assert_run_all(ip, LESSON, wrong, 2)
+@pytest.mark.parametrize("wrong", list(ENV_WRONG))
+def test_10_torch_env_refuses(namespace, wrong):
+    assert notebook_verdict(namespace, 2, ENV_WRONG[wrong]) == "fail"
+    assert notebook_verdict(namespace, 2, reference_answer(LESSON, 2)) == "pass"
+
+
+def test_10_torch_env_accepts_scontrol(namespace):
+    assert notebook_verdict(namespace, 2, ENV_RIGHT_OTHERWISE) == "pass"
+
+
+def test_10_run_all_checks_the_learners_answers(namespace):
+    """The exercise cells in the lesson's order: wrong answers fail, then the references pass."""
+    from tests.checker_harness import assert_run_all
+
+    wrong = {1: RANKS_WRONG["arrival order, not names"], 2: ENV_WRONG["MASTER_ADDR cut at the first comma"]}
+    assert_run_all(namespace, LESSON, wrong, 1)
