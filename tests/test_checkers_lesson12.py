@@ -58,32 +58,93 @@ def test_12_first_unjoined_must_follow_groups_and_full_buffers(ip, lesson_ranks,
     assert_checker(ip, LESSON, 1, UNJOINED_WRONG[wrong], 2)
 
 
-# exercise 2: a dump on each signal, and none before
+# exercise 1: a different right answer (a rank's entries of the group, walked in order)
 
-DUMP_WRONG = {
-    "one dump right away, none on the signal": """
-import faulthandler
+UNJOINED_RIGHT_OTHERWISE = """
+def first_unjoined(traces, group):
+    mine = {r: sorted((e["collective_seq_id"], e["profiling_name"]) for e in entries
+                      if e["process_group"][0] == group) for r, entries in traces.items()}
+    every = sorted({pair for pairs in mine.values() for pair in pairs})
+    for seq, name in every:
+        missing = [r for r in sorted(mine) if (not mine[r] or seq > mine[r][0][0])
+                   and seq not in [s for s, _ in mine[r]]]
+        if missing:
+            return (seq, name, missing)
+    return None
+"""
 
 
-def arm_stack_dumps(path):
-    with open(path, "a") as f:
-        faulthandler.dump_traceback(file=f)
+def test_12_first_unjoined_accepts_another_walk(ip, lesson_ranks):
+    from tests.checker_harness import check
+
+    assert set(check(ip, LESSON, 1, UNJOINED_RIGHT_OTHERWISE, 2).values()) == {"pass"}
+
+
+# exercise 2: compare shapes and dtypes with a few numbers, then reduce; raise on every rank if they differ
+
+CHECKED_WRONG = {
+    "no check at all": """
+def checked_all_reduce(t):
+    dist.all_reduce(t)
 """,
-    "nothing armed": """
-def arm_stack_dumps(path):
-    open(path, "a").close()
+    "a local check only": """
+def checked_all_reduce(t):
+    if t.dim() != 2:
+        raise RuntimeError(f"rank {rank}: {list(t.shape)} {t.dtype}")
+    dist.all_reduce(t)
+""",
+    "the sizes compared, not the dtypes": """
+def checked_all_reduce(t):
+    numel = torch.tensor([t.numel()], device=t.device)
+    largest = numel.clone()
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    if largest.item() != numel.item():
+        raise RuntimeError(f"rank {rank}: {list(t.shape)} {t.dtype}, largest {largest.item()}")
+    dist.all_reduce(t)
+""",
+    "the whole tensor gathered to compare": """
+def checked_all_reduce(t):
+    flat = t.reshape(-1)[:64].float()
+    everyone = [torch.empty_like(flat) for _ in range(world_size)]
+    dist.all_gather(everyone, flat)
+    described = [None] * world_size
+    dist.all_gather_object(described, (list(t.shape), str(t.dtype)))
+    if len(set(map(str, described))) > 1:
+        raise RuntimeError("; ".join(f"rank {r}: {s} {d}" for r, (s, d) in enumerate(described)))
+    dist.all_reduce(t)
 """,
 }
 
+CHECKED_RIGHT_OTHERWISE = """
+CODES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
 
-@pytest.mark.parametrize("wrong", list(DUMP_WRONG))
-def test_12_stack_dumps_must_come_on_the_signal(ip, lesson_ranks, wrong):
-    assert_checker(ip, LESSON, 2, DUMP_WRONG[wrong], 2)
-    # the ranks still answer (no signal killed them) and the magic's own SIGUSR1 handler is intact
-    assert "[ranks 0,1]\nok" in on_ranks(ip, "print('ok')")
+
+def checked_all_reduce(t):
+    mine = torch.full((10,), -1, dtype=torch.int64, device=t.device)
+    mine[0], mine[1] = CODES.index(t.dtype), t.dim()
+    mine[2 : 2 + t.dim()] = torch.tensor(t.shape)
+    everyone = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(everyone, mine)
+    if any(not torch.equal(other, mine) for other in everyone):
+        raise RuntimeError("; ".join(f"rank {r}: {f[2 : 2 + int(f[1])].tolist()} {CODES[int(f[0])]}"
+                                     for r, f in enumerate(everyone)))
+    dist.all_reduce(t)
+"""
+
+
+@pytest.mark.parametrize("wrong", list(CHECKED_WRONG))
+def test_12_checked_all_reduce_refuses(ip, lesson_ranks, wrong):
+    assert_checker(ip, LESSON, 2, CHECKED_WRONG[wrong], 2)
+    assert "[ranks 0,1]\nok" in on_ranks(ip, "dist.barrier(); print('ok')")  # the group still works
+
+
+def test_12_checked_all_reduce_accepts_a_tensor_fingerprint(ip, lesson_ranks):
+    from tests.checker_harness import check
+
+    assert set(check(ip, LESSON, 2, CHECKED_RIGHT_OTHERWISE, 2).values()) == {"pass"}
 
 
 def test_12_run_all_checks_the_learners_answers(ip, lesson_ranks):
     full_buffers = UNJOINED_WRONG["entries that left a full buffer counted as never recorded"]
-    wrong = {1: full_buffers, 2: DUMP_WRONG["nothing armed"]}
+    wrong = {1: full_buffers, 2: CHECKED_WRONG["a local check only"]}
     assert_run_all(ip, LESSON, wrong, 2)
