@@ -28,6 +28,17 @@ def node() -> str:
     return str(Path(executable.ROOT_DIR) / "bin" / "node")
 
 
+def closed_folders() -> list[Path]:
+    """Folders on the way to this Python and the project that other users cannot enter: the
+    learners' servers, kernels and ranks run this Python as the learners."""
+    closed = []
+    for target in (Path(os.path.realpath(sys.executable)), REPO / ".venv", REPO):
+        for folder in reversed(target.parents if target.is_file() else [target, *target.parents]):
+            if folder.is_dir() and not folder.stat().st_mode & 0o001 and folder not in closed:
+                closed.append(folder)
+    return closed
+
+
 def install_proxy() -> None:
     """configurable-http-proxy into course/proxy/node_modules, as its lock file pins it."""
     if PROXY_SCRIPT.exists():
@@ -67,6 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
         sys.exit("the hub runs each learner's server as that learner: start it as root")
+    if closed := closed_folders():
+        sys.exit(
+            f"learners cannot run {os.path.realpath(sys.executable)}: {closed[0]} is closed to other users "
+            "(install Python and the project where every user may read them, e.g. under /opt)"
+        )
     install_proxy()
     args.state.mkdir(mode=0o700, parents=True, exist_ok=True)
     args.state.chmod(0o700)

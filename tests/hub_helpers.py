@@ -113,7 +113,9 @@ def remove_learner(learner: Learner) -> list[str]:
     cgroup; returns what was left behind by the learner's processes (should be empty)."""
     left = [f"process {pid}" for pid in end_processes_of(learner.uid)]
     for entry in owned_entries(learner.uid):
-        left.append(str(entry))
+        kept = entry.name == f"ddp_magics-{learner.uid}" and entry.is_dir()  # the clusters root, by design
+        if not kept or any(entry.iterdir()):
+            left.append(str(entry) + (f" holding {sorted(p.name for p in entry.iterdir())}" if kept else ""))
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry, ignore_errors=True)
         else:
@@ -181,17 +183,9 @@ def _write_acl(directory: Path, entries: dict[tuple[int, int], int]) -> None:
     os.setxattr(directory, ACL, raw)
 
 
-def closed_folders() -> list[Path]:
-    """Folders on the way to this Python and the repository that others cannot enter."""
-    closed = []
-    for target in (Path(os.path.realpath(os.sys.executable)), REPO / ".venv", REPO):
-        for folder in reversed(target.parents if target.is_file() else [target, *target.parents]):
-            if folder.is_dir() and not folder.stat().st_mode & 0o001 and folder not in closed:
-                closed.append(folder)
-    return closed
-
-
 def let_through(learner: Learner) -> None:
+    from course.serve import closed_folders
+
     for folder in closed_folders():
         entries = _acl(folder)
         entries[(USER, learner.uid)] = 0o1
@@ -199,6 +193,8 @@ def let_through(learner: Learner) -> None:
 
 
 def stop_letting_through(learner: Learner) -> None:
+    from course.serve import closed_folders
+
     for folder in [Path("/root"), *closed_folders()]:
         with contextlib.suppress(OSError):
             if os.getxattr(folder, ACL):
