@@ -1,9 +1,9 @@
-"""Lesson 16's checkers fail the obvious wrong answers and pass the reference solutions.
+"""Lesson 16's checkers fail wrong answers and wrong methods, and pass the reference and other right answers.
 
 As in tests/test_checkers.py: on a real gloo cluster, the lesson's own checker cell runs after a wrong
-solution (every rank must print "not yet") and after the lesson's reference solution (every rank "pass"). The
-checkers need nothing from the lesson's earlier cells (each builds its own model and stages: the first runs
-``Schedule1F1B`` to compare its order with the prediction), so two ranks are enough.
+solution (every rank must print "not yet") and after the lesson's reference solution (every rank "pass"). Both
+exercises are arithmetic (a pipeline's timeline, a cut of a model into stages): the checkers need nothing from
+the lesson's earlier cells and try several numbers of stages themselves, so two ranks are enough.
 """
 
 from __future__ import annotations
@@ -15,116 +15,134 @@ from tests.checker_harness import assert_checker, assert_run_all, check
 LESSON = "16_pipeline_parallel"
 WORLD = 2
 
-# exercise 1: the order of a stage's forwards and backwards under Schedule1F1B, for any m
 
-ORDER_WRONG = {
-    "GPipe's order (all forwards, then all backwards)": """
-def order_1f1b(p, s, m):
-    return " ".join([f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)])
+def assert_accepted(ip, exercise: int, answer: str) -> None:
+    assert set(check(ip, LESSON, exercise, answer, WORLD).values()) == {"pass"}
+
+
+# exercise 1: when a step ends, for any order of forwards and backwards and any stage times
+
+SPAN_WRONG = {
+    "the formula (m + p - 1)(f + b) with the mean stage times": """
+def pipeline_span(orders, forward, backward):
+    p, m = len(orders), len(orders[0].split()) // 2
+    return (m + p - 1) * (sum(forward) + sum(backward)) / p
 """,
-    "a warm-up of p - s - 1 forwards": """
-def order_1f1b(p, s, m):
-    warmup = max(1, p - s - 1)
-    words = [f"F{i}" for i in range(warmup)]
-    for i in range(m - warmup):
-        words += [f"B{i}", f"F{warmup + i}"]
-    return " ".join(words + [f"B{i}" for i in range(m - warmup, m)])
+    "the formula with the slowest stage's times": """
+def pipeline_span(orders, forward, backward):
+    p, m = len(orders), len(orders[0].split()) // 2
+    return (m + p - 1) * max(f + b for f, b in zip(forward, backward))
 """,
-    "the stages reversed (a warm-up of s + 1 forwards)": """
-def order_1f1b(p, s, m):
-    warmup = s + 1
-    words = [f"F{i}" for i in range(warmup)]
-    for i in range(m - warmup):
-        words += [f"B{i}", f"F{warmup + i}"]
-    return " ".join(words + [f"B{i}" for i in range(m - warmup, m)])
+    "each stage's own work, dependencies ignored": """
+def pipeline_span(orders, forward, backward):
+    m = len(orders[0].split()) // 2
+    return max(m * (f + b) for f, b in zip(forward, backward))
 """,
-    "one forward, then one backward, after the warm-up": """
-def order_1f1b(p, s, m):
-    warmup = p - s
-    words = [f"F{i}" for i in range(warmup)]
-    for i in range(m - warmup):
-        words += [f"F{warmup + i}", f"B{i}"]
-    return " ".join(words + [f"B{i}" for i in range(m - warmup, m)])
-""",
-    "the cool-down's backwards forgotten": """
-def order_1f1b(p, s, m):
-    warmup = p - s
-    words = [f"F{i}" for i in range(warmup)]
-    for i in range(m - warmup):
-        words += [f"B{i}", f"F{warmup + i}"]
-    return " ".join(words)
+    "the order ignored (every stage as GPipe)": """
+def pipeline_span(orders, forward, backward):
+    p, m = len(orders), len(orders[0].split()) // 2
+    end_f = [[0] * m for _ in range(p)]
+    for s in range(p):
+        t = 0
+        for i in range(m):
+            t = max(t, end_f[s - 1][i] if s else 0) + forward[s]
+            end_f[s][i] = t
+    end_b = [[0] * m for _ in range(p)]
+    for s in reversed(range(p)):
+        t = end_f[s][m - 1]
+        for i in range(m):
+            t = max(t, end_b[s + 1][i] if s < p - 1 else end_f[s][i]) + backward[s]
+            end_b[s][i] = t
+    return max(end_b[s][m - 1] for s in range(p))
 """,
 }
 
 
-@pytest.mark.parametrize("wrong", list(ORDER_WRONG))
-def test_16_order_must_be_what_schedule_1f1b_runs(ip, cluster, wrong):
-    assert_checker(ip, LESSON, 1, ORDER_WRONG[wrong], WORLD)
+@pytest.mark.parametrize("wrong", list(SPAN_WRONG))
+def test_16_pipeline_span_must_follow_the_dependencies(ip, cluster, wrong):
+    assert_checker(ip, LESSON, 1, SPAN_WRONG[wrong], WORLD)
 
 
-def test_16_a_list_of_actions_passes(ip, cluster):
-    """The order given as a list of words instead of one string is accepted."""
-    as_list = """
-def order_1f1b(p, s, m):
-    warmup = p - s
-    words = [f"F{i}" for i in range(warmup)]
-    for i in range(m - warmup):
-        words += [f"B{i}", f"F{warmup + i}"]
-    return words + [f"B{i}" for i in range(m - warmup, m)]
+def test_16_pipeline_span_by_recursion_passes(ip, cluster):
+    """Another right method: each action's end from its two predecessors, memoised, not a sweep."""
+    recursive = """
+from functools import lru_cache
+
+
+def pipeline_span(orders, forward, backward):
+    p = len(orders)
+    words = [o.split() for o in orders]
+    where = {(w, s): j for s in range(p) for j, w in enumerate(words[s])}
+
+    @lru_cache(maxsize=None)
+    def end(s, j):
+        word = words[s][j]
+        kind, i = word[0], int(word[1:])
+        ready = end(s, j - 1) if j else 0.0
+        if kind == "F" and s > 0:
+            ready = max(ready, end(s - 1, where[word, s - 1]))
+        if kind == "B":
+            other = (word, s + 1) if s < p - 1 else (f"F{i}", s)
+            ready = max(ready, end(other[1], where[other]))
+        return ready + (forward[s] if kind == "F" else backward[s])
+
+    return max(end(s, len(words[s]) - 1) for s in range(p))
 """
-    assert set(check(ip, LESSON, 1, as_list, WORLD).values()) == {"pass"}
+    assert_accepted(ip, 1, recursive)
 
 
-# exercise 2: this rank's PipelineStage, its contiguous share of the blocks
+# exercise 2: a cut of the layers into p stages whose slowest stage is as fast as possible
 
-
-def with_imports(answer: str) -> str:
-    """An answer to exercise 2 with what it uses imported (the first one runs before any checker)."""
-    return "\nfrom torch import nn\nfrom torch.distributed.pipelining import PipelineStage\n" + answer
-
-
-STAGE_WRONG = {
-    "the whole model as the stage": with_imports("""
-def my_stage(model):
-    return PipelineStage(model, rank, world_size, device)
-"""),
-    "the blocks dealt round-robin (rank, rank + world_size)": with_imports("""
-def my_stage(model):
-    return PipelineStage(nn.Sequential(*list(model)[rank::world_size]), rank, world_size, device)
-"""),
-    "one stage per block (num_stages = len(model))": with_imports("""
-def my_stage(model):
-    per_rank = len(model) // world_size
-    blocks = nn.Sequential(*list(model)[rank * per_rank:(rank + 1) * per_rank])
-    return PipelineStage(blocks, rank, len(model), device)
-"""),
-    "the stages numbered backwards": with_imports("""
-def my_stage(model):
-    per_rank = len(model) // world_size
-    blocks = nn.Sequential(*list(model)[rank * per_rank:(rank + 1) * per_rank])
-    return PipelineStage(blocks, world_size - 1 - rank, world_size, device)
-"""),
-    "the module, not a PipelineStage": with_imports("""
-def my_stage(model):
-    per_rank = len(model) // world_size
-    return nn.Sequential(*list(model)[rank * per_rank:(rank + 1) * per_rank])
-"""),
-    "only the first block of the share": with_imports("""
-def my_stage(model):
-    per_rank = len(model) // world_size
-    return PipelineStage(list(model)[rank * per_rank], rank, world_size, device)
-"""),
+CUT_WRONG = {
+    "equal numbers of layers": """
+def split_stages(costs, p):
+    return [len(costs) * s // p for s in range(p + 1)]
+""",
+    "greedy: a new stage once the average is passed": """
+def split_stages(costs, p):
+    target, cut, total = sum(costs) / p, [0], 0
+    for i, c in enumerate(costs):
+        total += c
+        if total >= target and len(cut) < p and i + 1 < len(costs):
+            cut.append(i + 1)
+            total = 0
+    while len(cut) < p:
+        cut.append(len(costs) - (p - len(cut)))
+    return cut + [len(costs)]
+""",
+    "the stages' sizes, not the cut": """
+def split_stages(costs, p):
+    return [len(costs) // p] * p
+""",
 }
 
 
-@pytest.mark.parametrize("wrong", list(STAGE_WRONG))
-def test_16_my_stage_must_be_this_ranks_contiguous_blocks(ip, cluster, wrong):
-    assert_checker(ip, LESSON, 2, STAGE_WRONG[wrong], WORLD)
+@pytest.mark.parametrize("wrong", list(CUT_WRONG))
+def test_16_split_stages_must_balance_the_slowest_stage(ip, cluster, wrong):
+    assert_checker(ip, LESSON, 2, CUT_WRONG[wrong], WORLD)
+
+
+def test_16_split_stages_by_exhaustive_search_passes(ip, cluster):
+    """Another right method, and other cuts where several are as good: try every cut, keep the last best."""
+    exhaustive = """
+import itertools
+
+
+def split_stages(costs, p):
+    best = None
+    for inner in itertools.combinations(range(1, len(costs)), p - 1):
+        cut = [0, *inner, len(costs)]
+        slowest = max(sum(costs[a:b]) for a, b in zip(cut, cut[1:]))
+        if best is None or slowest <= best[0]:
+            best = (slowest, cut)
+    return best[1]
+"""
+    assert_accepted(ip, 2, exhaustive)
 
 
 def test_16_run_all_checks_the_learners_answers(ip, cluster):
     wrong = {
-        1: ORDER_WRONG["the stages reversed (a warm-up of s + 1 forwards)"],
-        2: STAGE_WRONG["the blocks dealt round-robin (rank, rank + world_size)"],
+        1: SPAN_WRONG["each stage's own work, dependencies ignored"],
+        2: CUT_WRONG["equal numbers of layers"],
     }
     assert_run_all(ip, LESSON, wrong, WORLD)
