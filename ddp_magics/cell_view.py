@@ -8,9 +8,10 @@ import html
 from collections.abc import Callable, Generator
 
 from IPython.core.error import StdinNotImplementedError
+from IPython.core.getipython import get_ipython
 from IPython.display import display
 
-from ddp_magics import reports
+from ddp_magics import lab_bundle, reports
 from ddp_magics.cell_run import CellOutcome, CellRun, Prompt, Tick, Waits
 from ddp_magics.cluster.rank_cluster import RankCluster
 from ddp_magics.cluster.records import ClusterError, DeadRanks, GroupBroken, Progress, RankOutput
@@ -144,12 +145,28 @@ def ask(prompt: Prompt) -> str | None:
 
 
 def show(outcome: CellOutcome, collapse_identical: bool, max_output_lines: int, diagram: bool) -> None:
-    """The ranks' outputs in rank order, then the diagram if asked for."""
-    for item in render(outcome.outputs, collapse_identical, max_output_lines):
+    """The ranks' outputs in rank order, then the diagram if asked for. In a kernel, the first
+    rank block also carries the rank view's record (``lab_bundle``), its text and HTML as they
+    are; the outputs after it, which the rank view shows too, are marked so in their metadata."""
+    items = render(outcome.outputs, collapse_identical, max_output_lines)
+    shell = get_ipython()
+    view = lab_bundle.rank_view(outcome, collapse_identical, max_output_lines) if items and shell else None
+    for index, item in enumerate(items):
+        if view is None:
+            if isinstance(item, dict):
+                display(item["data"], metadata=item["metadata"], raw=True)
+            else:
+                display(item)
+            continue
         if isinstance(item, dict):
-            display(item["data"], metadata=item["metadata"], raw=True)
+            data, metadata = item["data"], dict(item["metadata"])
         else:
-            display(item)
+            data, metadata = shell.display_formatter.format(item)
+        if index == 0:
+            data = {**data, lab_bundle.MIMETYPE: view}
+        elif not (view["displays_below"] and isinstance(item, dict)):
+            metadata = {**metadata, **lab_bundle.SHOWN_IN_RANK_VIEW}
+        display(data, metadata=metadata, raw=True)
     if diagram:
         if outcome.trace.steps:
             display(outcome.trace.draw())
