@@ -1,9 +1,10 @@
-"""Lesson 02's exercise checkers refuse wrong answers and pass the reference solutions
+"""Lesson 02's exercise checkers refuse wrong answers and wrong methods and accept other right answers
 (tests/checker_harness.py says how)."""
 
 from __future__ import annotations
 
-from tests.checker_harness import assert_checker, assert_run_all, lesson_cell, on_ranks
+from tests.checker_harness import assert_checker, assert_run_all, check, lesson_cell, on_ranks
+from tests.conftest import running_cluster
 
 # lesson 02: point-to-point only (setup: section 5's p2p group and device)
 
@@ -15,16 +16,91 @@ def on_demand(n_jobs, work):
     return []
 """,
     2: """
-def gather_to_zero(t):
-    pieces = [torch.zeros_like(t) for _ in range(world_size)]
-    dist.all_gather(pieces, t)  # a collective, not send/recv
-    return pieces if rank == 0 else None
+def exchange_all(pieces):
+    got = [torch.empty_like(p) for p in pieces]
+    dist.all_to_all(got, list(pieces))  # the right values, by a collective
+    return got
 """,
     3: """
-def exchange_with_neighbours(t):
-    return t.clone(), t.clone()  # nothing exchanged
+def pipeline(batches, stage):
+    stacked = torch.stack(list(batches))
+    if rank > 0:
+        dist.recv(stacked, src=rank - 1)  # every batch in one message: no stage overlaps another
+    out = torch.stack([stage(x) for x in stacked])
+    if rank < world_size - 1:
+        dist.send(out, dst=rank + 1)
+        return None
+    return list(out)
 """,
 }
+
+EXCHANGE_NONBLOCKING = """
+def exchange_all(pieces):
+    got = [p.clone() for p in pieces]
+    requests = [dist.isend(pieces[r], dst=r) for r in range(world_size) if r != rank]
+    requests += [dist.irecv(got[r], src=r) for r in range(world_size) if r != rank]
+    for req in requests:
+        req.wait()
+    return got
+"""
+EXCHANGE_OTHER_ORDER = """
+def exchange_all(pieces):
+    got = list(pieces)
+    pairs = [(a, b) for a in range(world_size) for b in range(a + 1, world_size)]
+    pairs.sort(key=lambda pair: (-pair[1], pair[0]))
+    for a, b in pairs:  # another order of the pairs, the same on every rank; the higher rank sends first
+        if rank in (a, b):
+            peer = a + b - rank
+            got[peer] = torch.empty_like(pieces[peer])
+            if rank == b:
+                dist.send(pieces[peer], dst=peer)
+                dist.recv(got[peer], src=peer)
+            else:
+                dist.recv(got[peer], src=peer)
+                dist.send(pieces[peer], dst=peer)
+    return got
+"""
+PIPELINE_BY_BROADCAST = """
+def pipeline(batches, stage):
+    outputs = []
+    for slot in batches:
+        x = slot.clone()
+        for r in range(world_size):  # each stage in turn, its output broadcast to everyone: a collective
+            if rank == r:
+                x = stage(x)
+            dist.broadcast(x, src=r)
+        outputs.append(x)
+    return outputs if rank == world_size - 1 else None
+"""
+PIPELINE_NONBLOCKING = """
+def pipeline(batches, stage):
+    last, outputs, pending = world_size - 1, [], []
+    for slot in batches:
+        x = torch.empty_like(slot)
+        if rank == 0:
+            x.copy_(slot)
+        else:
+            dist.irecv(x, src=rank - 1).wait()
+        y = stage(x)
+        if rank < last:
+            pending.append(dist.isend(y, dst=rank + 1))  # y is new each time: safe to keep sending
+        else:
+            outputs.append(y)
+    for req in pending:
+        req.wait()
+    return outputs if rank == last else None
+"""
+
+
+def test_02_checkers_refuse_wrong_methods_and_accept_other_right_answers(ip):
+    """On the lesson's 3 ranks (an odd number: a schedule that only pairs ranks off would stall)."""
+    with running_cluster(ip, 3):
+        for exercise in (2, 3):
+            assert_checker(ip, "02_point_to_point", exercise, P2P_WRONG[exercise], 3)
+        assert set(check(ip, "02_point_to_point", 2, EXCHANGE_NONBLOCKING, 3).values()) == {"fail"}
+        assert set(check(ip, "02_point_to_point", 3, PIPELINE_BY_BROADCAST, 3).values()) == {"fail"}
+        assert set(check(ip, "02_point_to_point", 2, EXCHANGE_OTHER_ORDER, 3).values()) == {"pass"}
+        assert set(check(ip, "02_point_to_point", 3, PIPELINE_NONBLOCKING, 3).values()) == {"pass"}
 
 
 ON_DEMAND_RESULTS_WRONG = """

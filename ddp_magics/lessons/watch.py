@@ -1,0 +1,148 @@
+"""What an exercise's answer sent: the ``torch.distributed`` calls it made, for the checkers of lessons 00-04.
+
+    with watching() as calls:
+        answer(...)
+    calls.names()      # ["all_reduce"]
+    calls[0].numel     # elements of the tensor it passed
+    calls[0].group_size
+
+``watching`` replaces every collective and point-to-point function in both ``torch.distributed`` and
+``torch.distributed.distributed_c10d`` (torch calls itself through the second: ``all_gather_object`` calls
+``all_gather`` there) by one that records the call, then runs the real one. Calls made inside another
+recorded call are not recorded again, so a learner's ``all_gather_object`` counts once. ``paused()`` stops the
+recording for a helper the lesson gave (lesson 04's ``pass_right``), whose own calls are counted by the
+checker as steps instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+COLLECTIVES = (
+    "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_object",
+    "gather", "gather_object", "scatter", "scatter_object_list", "broadcast_object_list", "reduce_scatter",
+    "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "monitored_barrier",
+)
+POINT_TO_POINT = ("send", "recv", "isend", "irecv", "batch_isend_irecv", "send_object_list",
+                  "recv_object_list")
+_local = threading.local()
+
+
+@dataclass
+class Call:
+    name: str
+    numel: int  # elements of the first tensor argument (a list: the sum); 0 if none
+    group_size: int  # ranks of the group it ran on
+    peer: int | None = None  # a point-to-point call's dst or src (global rank); None: any, or a collective
+
+    @property
+    def collective(self) -> bool:
+        return self.name in COLLECTIVES
+
+
+class Calls(list):
+    def names(self) -> list[str]:
+        return [call.name for call in self]
+
+    def collectives(self) -> list[Call]:
+        return [call for call in self if call.collective]
+
+    def point_to_point(self) -> list[Call]:
+        return [call for call in self if not call.collective]
+
+
+def _numel(args, kwargs) -> int:
+    for value in list(args) + list(kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.numel()
+        if isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value):
+            return sum(v.numel() for v in value)
+    return 0
+
+
+def _peer(name, args, kwargs):
+    if name not in ("send", "recv", "isend", "irecv"):
+        return None
+    key = "dst" if name in ("send", "isend") else "src"
+    if kwargs.get(key) is not None:
+        return kwargs[key]
+    if len(args) > 1 and isinstance(args[1], int):
+        return args[1]
+    group_key = "group_" + key
+    if kwargs.get(group_key) is not None:
+        try:
+            return dist.get_global_rank(kwargs.get("group") or dist.group.WORLD, kwargs[group_key])
+        except Exception:  # a group this rank cannot resolve: the call itself will say what is wrong
+            return None
+    return None
+
+
+def _group_size(args, kwargs) -> int:
+    group = kwargs.get("group")
+    if group is None:
+        group = next((value for value in args if isinstance(value, dist.ProcessGroup)), None)
+    try:
+        return dist.get_world_size(group)
+    except Exception:  # a non-member's placeholder
+        return -1
+
+
+@contextlib.contextmanager
+def watching():
+    """Record every ``torch.distributed`` collective and point-to-point call made in the block."""
+    calls = Calls()
+    saved = {}
+    for name in COLLECTIVES + POINT_TO_POINT:
+        real = getattr(c10d, name, None)
+        if real is None:
+            continue
+
+        def recorded(*args, _name=name, _real=real, **kwargs):
+            if getattr(_local, "depth", 0) == 0:
+                peer = _peer(_name, args, kwargs)
+                calls.append(Call(_name, _numel(args, kwargs), _group_size(args, kwargs), peer))
+            _local.depth = getattr(_local, "depth", 0) + 1
+            try:
+                return _real(*args, **kwargs)
+            finally:
+                _local.depth -= 1
+
+        saved[name] = (getattr(dist, name, None), real)
+        for module in (dist, c10d):
+            setattr(module, name, recorded)
+    try:
+        yield calls
+    finally:
+        for name, (public, real) in saved.items():
+            if public is not None:
+                setattr(dist, name, public)
+            setattr(c10d, name, real)
+
+
+@contextlib.contextmanager
+def paused():
+    """Inside ``watching``: calls made in this block are not recorded."""
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+
+
+def agreed(result, group=None):
+    """Every rank's verdict made one: ``True`` when every rank's check returned ``True``, else the first
+    failing rank's message (prefixed by its rank), on every rank: an answer wrong on one rank is "not yet" on
+    all of them."""
+    mine = result if result is True or isinstance(result, str) else "not yet"
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    for rank, theirs in enumerate(everyone):
+        if theirs is not True:
+            return f"rank {rank}: {theirs}"
+    return True
