@@ -24,7 +24,7 @@ set -u
 
 OUT=${OUT:?set OUT to the folder for the results}
 PY=${PY:-python3}
-STEPS=${GPU_CHECK_STEPS:-tests lessons bench}
+STEPS=${GPU_CHECK_STEPS-tests lessons bench}
 TOTAL=${GPU_CHECK_SECONDS:-470}
 LESSONS=${GPU_CHECK_LESSONS:-13_fault_tolerance 19_capstone 14_fsdp 15_tensor_parallel 03_collectives 06_ddp 00_start_here}
 RESERVE=15 # seconds kept for packing the results
@@ -82,12 +82,11 @@ setup() {
         $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl ||
             return 1
     fi
-    # The package as `make install` installs it (editable; its dependencies are the wheels and the
-    # image's torch). A plain `pip install .` would leave out ddp_magics' subpackages: pyproject's
-    # packages = ["ddp_magics"] names the top one only. PYTHONPATH has the tree too, either way.
-    $PY -m pip install -q --no-index --no-deps --no-build-isolation -e . ||
-        echo "editable install of the tree failed: the tree is used through PYTHONPATH"
-    $PY -m ipykernel install --user --name python3 --env PYTHONPATH "$PYTHONPATH" || return 1
+    # The package itself runs from this tree (PYTHONPATH), as an editable install runs it: pip
+    # cannot build it here, offline (hatch-jupyter-builder builds the JupyterLab extension with npm
+    # from the npm registry), and the GPU run needs no JupyterLab extension.
+    local failed=0
+    $PY -m ipykernel install --user --name python3 --env PYTHONPATH "$PYTHONPATH" || failed=1
     {
         echo "date: $(date -u)"
         echo "python: $(command -v $PY) $($PY -V 2>&1)"
@@ -106,6 +105,7 @@ PYTHON
         $PY -m pip list 2>/dev/null | grep -iE '^(torch|numpy|matplotlib|psutil|pytest|pytest-xdist|pytest-timeout|pyzmq|jupyter|nbclient|nbformat|ipy)'
     } >"$OUT/env.txt" 2>&1
     cat "$OUT/env.txt"
+    return $failed
 }
 
 export PYTHONPATH=$SITE:$PWD
@@ -144,7 +144,7 @@ if [[ " $STEPS " == *" lessons "* ]]; then
         if [[ -f $WORK/lessons/$name.txt ]]; then
             cat "$WORK/lessons/$name.txt" >>"$OUT/lessons.txt"
         else
-            echo "== $name: no result (still running when the step ended)" >>"$OUT/lessons.txt"
+            echo "== $name: no result (the step ended first, or the run broke: see log.txt)" >>"$OUT/lessons.txt"
         fi
     done
     grep '^== ' "$OUT/lessons.txt" | cut -c1-160 | tee -a "$LOG"
@@ -154,7 +154,7 @@ fi
 
 # ---------------------------------------------------------------- benchmark
 if [[ " $STEPS " == *" bench "* ]]; then
-    run_step bench 80 bash -c "$PY benchmarks/cuda_allreduce.py | tee '$OUT/benchmark.txt'"
+    run_step bench 80 bash -c "set -o pipefail; $PY benchmarks/cuda_allreduce.py | tee '$OUT/benchmark.txt'"
     end_leftovers bench
 fi
 
