@@ -7,7 +7,7 @@ import pytest
 
 from tests.checker_harness import assert_checker, assert_run_all, lesson_cell, on_ranks
 
-# lesson 06: the loss for uneven shards under DDP; your own comm hook, not the built-in one
+# lesson 06: the loss for uneven shards under DDP; a comm hook of your own that halves the traffic
 
 SHARD_LOSS_WRONG = {
     "each rank's plain mean": """
@@ -52,27 +52,76 @@ def test_06_shard_loss_weighs_ranks_by_their_rows(ip, cluster, wrong):
     assert_checker(ip, "06_ddp", 1, SHARD_LOSS_WRONG[wrong], 2)
 
 
+SHARD_LOSS_RIGHT_OTHER = """
+def shard_loss(output, target):
+    counts = [torch.zeros(1, device=target.device) for _ in range(world_size)]
+    dist.all_gather(counts, torch.tensor([float(target.numel())], device=target.device))
+    total = torch.cat(counts).sum()  # every rank's count, added up locally
+    return (output - target).pow(2).sum() / (total / world_size)
+"""
+
+
+def test_06_shard_loss_accepts_another_right_answer(ip, cluster):
+    on_ranks(ip, lesson_cell("06_ddp", "def wrap("))
+    text = on_ranks(ip, SHARD_LOSS_RIGHT_OTHER + "\n" + lesson_cell("06_ddp", "# Checker for exercise 1"))
+    assert "exercise 1: pass" in text and "not yet" not in text, text
+
+
 HOOK_WRONG = {
-    "built-in allreduce_hook": """
+    "torch's built-in fp16 hook": """
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 
-def mean_hook(state, bucket):
-    return default_hooks.allreduce_hook(state, bucket)
+def half_traffic_hook(state, bucket):
+    return default_hooks.fp16_compress_hook(dist.group.WORLD, bucket)
 """,
-    "built-in allreduce_hook renamed": """
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook as mean_hook
+    "float32, the full traffic": """
+def half_traffic_hook(state, bucket):
+    grads = bucket.buffer() / world_size
+    return dist.all_reduce(grads, async_op=True).get_future().then(lambda fut: fut.value()[0])
+""",
+    "half of the values sent, the other half kept local": """
+def half_traffic_hook(state, bucket):
+    grads = bucket.buffer()
+    grads /= world_size
+    half = grads[: grads.numel() // 2 + grads.numel() % 2].clone()
+    def put_back(fut):
+        grads[: half.numel()] = fut.value()[0]
+        return grads
+    return dist.all_reduce(half, async_op=True).get_future().then(put_back)
+""",
+    "float16 without the division": """
+def half_traffic_hook(state, bucket):
+    small = bucket.buffer().to(torch.float16)
+    return dist.all_reduce(small, async_op=True).get_future().then(lambda fut: fut.value()[0].float())
 """,
 }
 
+HOOK_RIGHT_OTHER = """
+def half_traffic_hook(state, bucket):
+    grads = bucket.buffer()
+    small = grads.to(torch.bfloat16)       # another 2-byte type; divide after the reduction
+    work = dist.all_reduce(small, async_op=True)
+    def average(fut):
+        grads.copy_(fut.value()[0])
+        return grads.div_(world_size)
+    return work.get_future().then(average)
+"""
+
 
 @pytest.mark.parametrize("wrong", list(HOOK_WRONG))
-def test_06_comm_hook_must_be_your_own(ip, cluster, wrong):
+def test_06_half_traffic_hook_refuses_wrong_methods(ip, cluster, wrong):
     on_ranks(ip, lesson_cell("06_ddp", "def wrap("))  # make_data, make_model, wrap, the shards X, y
     assert_checker(ip, "06_ddp", 2, HOOK_WRONG[wrong], 2)
 
 
+def test_06_half_traffic_hook_accepts_another_right_answer(ip, cluster):
+    on_ranks(ip, lesson_cell("06_ddp", "def wrap("))
+    text = on_ranks(ip, HOOK_RIGHT_OTHER + "\n" + lesson_cell("06_ddp", "# Checker for exercise 2"))
+    assert "exercise 2: pass" in text and "not yet" not in text, text
+
+
 def test_06_run_all_checks_the_learners_answers(ip, cluster):
     on_ranks(ip, lesson_cell("06_ddp", "def wrap("))
-    wrong = {1: SHARD_LOSS_WRONG["each rank's plain mean"], 2: HOOK_WRONG["built-in allreduce_hook"]}
+    wrong = {1: SHARD_LOSS_WRONG["each rank's plain mean"], 2: HOOK_WRONG["torch's built-in fp16 hook"]}
     assert_run_all(ip, "06_ddp", wrong, 2)
