@@ -1,34 +1,72 @@
-"""Lesson 00's exercise checkers refuse wrong answers and pass the reference solutions
+"""Lesson 00's exercise checkers refuse wrong answers and wrong methods and accept other right answers
 (tests/checker_harness.py says how)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.checker_harness import assert_checker, assert_run_all
+from tests.checker_harness import assert_checker, assert_run_all, check
 
-# lesson 00: one all_reduce, not a value by hand
+# lesson 00: one all_reduce, nothing else
 
-
-COUNT_WRONG = {
-    "value by hand": """
-def count_ranks():
-    return torch.ones(1) * world_size  # the right value, no communication
+WRONG = {
+    (1, "no communication"): """
+def everyones(value):
+    return torch.full((world_size,), value, dtype=torch.float64)  # its own value everywhere
 """,
-    "all_reduce of another tensor": """
-def count_ranks():
-    dist.all_reduce(torch.ones(1))
-    return torch.ones(1) * world_size  # still written in by hand
+    (1, "all_gather, not all_reduce"): """
+def everyones(value):
+    values = [torch.zeros(1, dtype=torch.float64) for _ in range(world_size)]
+    dist.all_gather(values, torch.tensor([value], dtype=torch.float64))
+    return torch.cat(values)
+""",
+    (1, "one all_reduce per rank"): """
+def everyones(value):
+    out = torch.zeros(world_size, dtype=torch.float64)
+    for r in range(world_size):
+        slot = torch.tensor([value if r == rank else 0.0], dtype=torch.float64)
+        dist.all_reduce(slot)
+        out[r] = slot
+    return out
+""",
+    (2, "its own flag only"): """
+def all_agree(flag):
+    return flag
+""",
+    (2, "all_gather_object, not all_reduce"): """
+def all_agree(flag):
+    flags = [None] * world_size
+    dist.all_gather_object(flags, flag)
+    return all(flags)
+""",
+}
+
+RIGHT = {
+    1: """
+def everyones(value):
+    one_hot = torch.eye(world_size, dtype=torch.float64)[rank] * value
+    dist.all_reduce(one_hot)
+    return one_hot
+""",
+    2: """
+def all_agree(flag):
+    lowest = torch.tensor([int(flag)])
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN)  # any False makes the minimum 0
+    return bool(lowest.item())
 """,
 }
 
 
-@pytest.mark.parametrize("wrong", list(COUNT_WRONG))
-def test_00_count_ranks_must_all_reduce(ip, cluster, wrong):
-    assert_checker(ip, "00_start_here", 2, COUNT_WRONG[wrong], 2)
+@pytest.mark.parametrize("wrong", list(WRONG), ids=[name for _, name in WRONG])
+def test_00_checkers_refuse_wrong_methods(ip, cluster, wrong):
+    assert_checker(ip, "00_start_here", wrong[0], WRONG[wrong], 2)
+
+
+def test_00_checkers_accept_other_right_answers(ip, cluster):
+    for exercise, right in RIGHT.items():
+        assert set(check(ip, "00_start_here", exercise, right, 2).values()) == {"pass"}
 
 
 def test_00_run_all_checks_the_learners_answers(ip, cluster):
-    three = "mine = torch.full((3,), float(rank ** 2))  # three elements, not four"
-    wrong = {1: three, 2: COUNT_WRONG["value by hand"]}
+    wrong = {1: WRONG[1, "no communication"], 2: WRONG[2, "its own flag only"]}
     assert_run_all(ip, "00_start_here", wrong, 2)
