@@ -1,30 +1,29 @@
-"""Lesson 01's exercise checkers refuse wrong answers and pass the reference solutions
+"""Lesson 01's exercise checkers refuse wrong answers and wrong methods and accept other right answers
 (tests/checker_harness.py says how)."""
 
 from __future__ import annotations
 
-from tests.checker_harness import assert_checker, assert_run_all, lesson_cell, on_ranks
+from tests.checker_harness import assert_checker, assert_run_all, check, lesson_cell, on_ranks
 from tests.conftest import running_cluster
 
-# lesson 01: the even ranks, rank arithmetic, a store hosted by another rank
+# lesson 01: overlapping subgroups, uneven nodes, a store hosted by another rank
 
 LESSON_01_WRONG = {
     1: """
-evens = dist.new_group(list(range(0, world_size, 2)))
-
-
-def sum_on_evens(x):
-    total = x.clone()
-    dist.all_reduce(total)  # over every rank, and odd ranks get a tensor instead of None
-    return total
+def neighbourhood_sum(x):
+    near = {(rank - 1) % world_size, rank, (rank + 1) % world_size}
+    total = torch.zeros(world_size, *x.shape, device=x.device)
+    total[rank] = x
+    dist.all_reduce(total)  # the whole world, each rank then keeping its neighbours' rows
+    return sum(total[r] for r in near)
 """,
     2: """
-def global_rank(node_rank, local_rank, nproc_per_node):
-    return local_rank * nproc_per_node + node_rank  # node and local rank swapped
+def place(rank, procs_per_node):
+    return divmod(rank, procs_per_node[0])  # as if every node had node 0's count
 
 
-def node_and_local(rank, nproc_per_node):
-    return tuple(reversed(divmod(rank, nproc_per_node)))
+def rank_of(node, local_rank, procs_per_node):
+    return node * procs_per_node[0] + local_rank
 """,
     3: """
 from datetime import timedelta
@@ -35,6 +34,41 @@ def form_around(host_rank, port):
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)  # the store on rank 0
 """,
 }
+WORLD_ALL_REDUCE_MASKED = """
+def neighbourhood_sum(x):
+    near = {(rank - 1) % world_size, rank, (rank + 1) % world_size}
+    total = torch.zeros(world_size, *x.shape, device=x.device)
+    total[rank] = x
+    dist.all_reduce(total, group=dist.group.WORLD)  # a world group passed by name is still the world
+    return sum(total[r] for r in near)
+"""
+PAIRS = """
+pairs = [dist.new_group(sorted({r, (r + 1) % world_size})) for r in range(world_size)]  # r with its right
+
+
+def neighbourhood_sum(x):
+    sums = {}
+    for r, group in enumerate(pairs):  # the same order everywhere
+        if rank in (r, (r + 1) % world_size):
+            total = x.clone()
+            dist.all_reduce(total, group=group)
+            sums[r] = total
+    return sums[(rank - 1) % world_size] + sums[rank] - x  # (left + me) + (me + right) - me
+"""
+PLACE_BY_BISECT = """
+import bisect
+import itertools
+
+
+def place(rank, procs_per_node):
+    ends = list(itertools.accumulate(procs_per_node))
+    node = bisect.bisect_right(ends, rank)
+    return node, rank - (ends[node - 1] if node else 0)
+
+
+def rank_of(node, local_rank, procs_per_node):
+    return [0, *itertools.accumulate(procs_per_node)][node] + local_rank
+"""
 STORE_FROM_URL = """
 def form_around(host_rank, port):
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
@@ -47,5 +81,8 @@ def test_01_checkers_fail_wrong_answers_and_pass_the_reference(ip):
         on_ranks(ip, lesson_cell("01_process_groups", "def free_port("))  # also re-forms the group on tcp://
         for exercise, wrong in LESSON_01_WRONG.items():
             assert_checker(ip, "01_process_groups", exercise, wrong, 4)
-        assert_checker(ip, "01_process_groups", 3, STORE_FROM_URL, 4)  # tcp://: rank 0 hosts the store
+        assert set(check(ip, "01_process_groups", 1, WORLD_ALL_REDUCE_MASKED, 4).values()) == {"fail"}
+        assert set(check(ip, "01_process_groups", 3, STORE_FROM_URL, 4).values()) == {"fail"}  # rank 0 hosts
+        assert set(check(ip, "01_process_groups", 1, PAIRS, 4).values()) == {"pass"}
+        assert set(check(ip, "01_process_groups", 2, PLACE_BY_BISECT, 4).values()) == {"pass"}
         assert_run_all(ip, "01_process_groups", LESSON_01_WRONG, 4)
