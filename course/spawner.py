@@ -59,8 +59,17 @@ class CourseSpawner(LocalProcessSpawner):
         4, config=True, help="Most ranks %dist_start runs (DistributedMagics.max_local_ranks)."
     )
 
+    zygote_preload = Unicode(
+        "torch._dynamo",
+        config=True,
+        help="Modules each learner's zygote imports once for all its ranks (comma-separated): "
+        "torch._dynamo, which every rank imports as it makes its first DistributedDataParallel.",
+    )
+
     def get_env(self):
         env = super().get_env()
+        if self.zygote_preload:
+            env["DDP_MAGICS_ZYGOTE_PRELOAD"] = self.zygote_preload
         env["DDP_MAGICS_DEFAULT_WORLD_SIZE"] = str(self.ranks_per_learner)
         env["DDP_MAGICS_MAX_LOCAL_RANKS"] = str(self.max_local_ranks)
         return env

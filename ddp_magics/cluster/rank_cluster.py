@@ -18,6 +18,7 @@ from ddp_magics import protocol
 from ddp_magics.cluster import process_group, recovery
 from ddp_magics.cluster.engines import INSPECT_SECONDS, SIGNAL_SECONDS, Answers, CellAnswers, Engines
 from ddp_magics.cluster.lifecycle import ClusterProcesses
+from ddp_magics.cluster.parking import Parking
 from ddp_magics.cluster.records import (
     ENGINE_TIMEOUT_SECONDS,
     LOCAL_HOST,
@@ -31,7 +32,7 @@ from ddp_magics.cluster.records import (
 )
 from ddp_magics.cluster.strays import this_host
 from ddp_magics.engine import debugging, profiling, recorder
-from ddp_magics.lifetime import process_alive
+from ddp_magics.lifetime import HEART_MONITOR_PID_FILE, process_alive
 
 DEATH_RECORD_SECONDS = 0.5
 
@@ -40,6 +41,30 @@ def _no_progress(message: str) -> None:
     pass
 
 
+# What a parked cluster is woken for: every use of the ranks (the properties read only records).
+WAKING_METHODS = (
+    "restart", "recover", "replace_engines", "status", "memory", "run_cell", "wait_for_cell",
+    "cell_answers", "busy_ranks", "cell_failed", "cell_quit_debugging", "next_debugger_prompt",
+    "published", "clock_offsets", "push", "pull", "signal", "inspect", "debugger_input",
+    "start_post_mortem", "post_mortem_commands", "end_post_mortem", "snapshots", "dead_ranks",
+)
+
+
+def _waking(cls):
+    """Every method in WAKING_METHODS runs with the cluster awake (continued first if parked)."""
+    for name in WAKING_METHODS:
+        method = getattr(cls, name)
+
+        def awake(self, *args, _method=method, **kwargs):
+            with self._parking.in_use() if self._parking is not None else contextlib.nullcontext():
+                return _method(self, *args, **kwargs)
+
+        awake.__name__, awake.__doc__, awake.__wrapped__ = name, method.__doc__, method
+        setattr(cls, name, awake)
+    return cls
+
+
+@_waking
 class RankCluster:
     """Start, run on, inspect, recover and stop a cluster as ``config`` describes it."""
 
@@ -53,6 +78,8 @@ class RankCluster:
         # cutting the old groups): every cell is refused until a recovery or restart succeeds.
         self.broken: str | None = None
         self._cell: CellAnswers | None = None  # what the ranks answered to the last cell sent
+        self._cell_answered = True  # every rank of the last cell sent has answered
+        self._parking: Parking | None = None  # once started
 
     @property
     def ranks(self) -> list[RankInfo]:
@@ -84,6 +111,27 @@ class RankCluster:
         except BaseException:
             self.stop()
             raise
+        after = self.config.park_after if self.all_engines_here else None
+        self._parking = Parking(after, self._parked_pids, lambda: self._cell_answered)
+
+    # --------------------------------------------------------------------- parking
+    @property
+    def parked(self) -> bool:
+        """Whether the ranks are stopped now, the cluster unused (see :mod:`.parking`)."""
+        return self._parking is not None and self._parking.parked
+
+    def park(self) -> bool:
+        """Park the cluster now if no cell runs (benchmarks, tests); whether it is parked."""
+        return self._parking is not None and self._parking.park_now()
+
+    def _parked_pids(self) -> list[int]:
+        """The heart monitor first (it must never count a parked rank's silence), then the ranks
+        on this machine."""
+        pids = []
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            pids.append(int((self.workdir / HEART_MONITOR_PID_FILE).read_text()))
+        here = this_host()
+        return pids + [info.pid for info in self.ranks if info.host == here]
 
     def _form_process_group(self, progress: Progress) -> None:
         self.backend = process_group.form(
@@ -107,6 +155,7 @@ class RankCluster:
             raise
         self.broken = None
         self._cell = None
+        self._cell_answered = True
 
     def recover(
         self, interrupt_grace: float, shrink: bool = False, progress: Progress = _no_progress
@@ -141,6 +190,9 @@ class RankCluster:
 
     def stop(self) -> None:
         """Stop controller and engines and remove the cluster's files. Safe to call twice."""
+        if self._parking is not None:
+            self._parking.close()  # continued: stopped processes do not end on SIGTERM
+            self._parking = None
         self._processes.stop()
 
     def processes(self) -> list[psutil.Process]:
@@ -213,12 +265,14 @@ class RankCluster:
             )
         if profiled:
             self.engines.call_everywhere(ranks, profiling.start_profile, failing="profiling could not start")
+        self._cell_answered = False
         self._cell = self.engines.execute(protocol.numbered_cell(code, cell_number), ranks)
 
     # The last cell sent: what its ranks have answered so far (see CellAnswers).
     def wait_for_cell(self, timeout: float) -> bool:
         """Whether every rank of the last cell has replied within ``timeout`` seconds."""
-        return self._cell.wait(timeout)
+        self._cell_answered = self._cell.wait(timeout)
+        return self._cell_answered
 
     def cell_answers(self, output_wait: float = 0.0) -> Answers:
         return self._cell.collect(output_wait)

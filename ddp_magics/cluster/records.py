@@ -14,6 +14,8 @@ LOCAL_HOST = "127.0.0.1"
 # This much silence means dead whatever the heartbeat period (for engines on this machine: those on
 # other hosts get ``link_loss_tolerance``).
 HEARTBEAT_SILENCE_MS = 3000
+# An idle cluster is parked (its ranks stopped, cluster/parking.py) after this many seconds unused.
+IDLE_PARK_SECONDS = 120.0
 # How long engines may take to start, import torch, or answer a set-up call.
 ENGINE_TIMEOUT_SECONDS = 60.0
 TEXT_ONLY_MIMETYPES = {"text/plain"}
@@ -88,6 +90,8 @@ class ClusterConfig:
     remote_python: str
     mpi_command: tuple[str, ...]
     launcher_settings: dict = field(hash=False)
+    # Seconds unused before the cluster is parked (None: never); settings.park_idle_after.
+    park_after: float | None = IDLE_PARK_SECONDS
 
 
 def nccl_shortfall(where: str, ranks: int, gpus: int) -> str | None:

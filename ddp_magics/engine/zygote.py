@@ -83,6 +83,11 @@ ENGINE_MODULES = (
     "IPython.utils.wildcard",
     "tornado.platform.asyncio",
 )
+# More modules to import here, comma-separated, where every engine would import them for itself:
+# a course's hub names torch._dynamo, which DistributedDataParallel imports as it is made
+# (torch/nn/parallel/distributed.py:842), 69 MiB and a second or more of CPU in every rank, shared
+# instead (course/spawner.py). One that cannot be imported is left to the engines.
+PRELOAD_ENV = "DDP_MAGICS_ZYGOTE_PRELOAD"
 # The zygote formats a traceback through torch.distributed once it has forked nothing for this
 # long (the engines of a start have their first cell by then): see rank.warm_up_error_reports.
 WARM_UP_WHEN_IDLE_SECONDS = 2.0
@@ -180,6 +185,11 @@ def _import_what_engines_import() -> None:
     try:
         for name in ENGINE_MODULES:
             importlib.import_module(name)
+        for name in filter(None, os.environ.get(PRELOAD_ENV, "").split(",")):
+            try:
+                importlib.import_module(name.strip())
+            except Exception as error:  # any import error: the engines import it themselves
+                print(f"{PRELOAD_ENV}: {name} not imported: {error!r}", file=sys.stderr, flush=True)
     finally:
         gc.enable()
 
