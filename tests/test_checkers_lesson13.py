@@ -1,16 +1,17 @@
-"""Lesson 13's checkers fail the obvious wrong answers and pass the reference solutions.
+"""Lesson 13's checkers refuse wrong answers and wrong methods, pass the reference and other right answers.
 
-As in tests/test_checkers.py: on a real gloo cluster of 3 ranks (the lesson's exercises run after its
-``%dist_recover --shrink`` left three), with the lesson's training job defined on every rank, the lesson's own
-checker cell runs after a wrong solution (every rank must print ``fail``) and after the lesson's reference
-solution (every rank ``pass``).
+On a real gloo cluster of 3 ranks (the lesson's exercises run on the three ranks left after its torchft
+section), with the lesson's training job defined on every rank, the lesson's own checker cell runs after a
+wrong solution (every rank must print ``not yet``), after the lesson's reference solution and after another
+right solution (every rank ``pass``). The checkers judge the method with ``ddp_magics.lessons.watch``: how
+many ``torch.distributed`` calls the answer made, how many numbers each rank sent, and no pickled objects.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.checker_harness import assert_checker, assert_run_all, lesson_cell, on_ranks
+from tests.checker_harness import assert_checker, assert_run_all, check, lesson_cell, on_ranks
 from tests.conftest import running_cluster
 
 LESSON = "13_fault_tolerance"
@@ -28,76 +29,175 @@ def lesson_ranks(ip):
         yield magics
 
 
-# exercise 1: every parameter and buffer from rank src
+def assert_accepted(ip, exercise: int, answer: str) -> None:
+    assert set(check(ip, LESSON, exercise, answer, WORLD).values()) == {"pass"}
 
-RESYNC_WRONG = {
-    "always from rank 0": """
-def resync(model, src):
-    for tensor in model.state_dict().values():
-        dist.broadcast(tensor, src=0)
+
+# exercise 1: the ranks whose state differs from rank src's, from a fingerprint of at most 16 numbers
+
+DRIFT_WRONG = {
+    "the whole state gathered as pickled objects (right value, wrong method)": """
+def ranks_out_of_sync(model, src):
+    every = [None] * world_size
+    dist.all_gather_object(every, {k: v.clone() for k, v in model.state_dict().items()})
+    return [r for r in range(world_size)
+            if any(not torch.equal(every[r][k], every[src][k]) for k in every[src])]
 """,
-    "parameters only (BatchNorm's running statistics and counter stay)": """
-def resync(model, src):
-    with torch.no_grad():
-        for p in model.parameters():
-            dist.broadcast(p, src=src)
+    "every value gathered as one tensor (right value, thousands of numbers)": """
+def ranks_out_of_sync(model, src):
+    flat = torch.cat([t.detach().reshape(-1).double() for t in model.state_dict().values()])
+    every = [torch.zeros_like(flat) for _ in range(world_size)]
+    dist.all_gather(every, flat)
+    return [r for r in range(world_size) if not torch.equal(every[r], every[src])]
 """,
-    "the mean of the ranks, not rank src's values": """
-def resync(model, src):
-    for tensor in model.state_dict().values():
-        if tensor.is_floating_point():
-            dist.all_reduce(tensor)
-            tensor /= world_size
+    "a plain sum of the values (blind to two values swapped)": """
+def ranks_out_of_sync(model, src):
+    total = torch.tensor([sum(t.double().sum().item() for t in model.state_dict().values())],
+                         dtype=torch.float64)
+    every = [torch.zeros_like(total) for _ in range(world_size)]
+    dist.all_gather(every, total)
+    return [r for r in range(world_size) if not torch.equal(every[r], every[src])]
 """,
-    "nothing sent (each rank keeps its own)": """
-def resync(model, src):
+    "parameters only (blind to the buffers)": """
+import hashlib
+
+
+def ranks_out_of_sync(model, src):
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        digest.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    mine = torch.tensor([int.from_bytes(digest.digest()[:8], "little", signed=True)])
+    every = [torch.zeros_like(mine) for _ in range(world_size)]
+    dist.all_gather(every, mine)
+    return [r for r in range(world_size) if not torch.equal(every[r], every[src])]
+""",
+    "one broadcast of a digest from every rank (right value, too many calls)": """
+import hashlib
+
+
+def ranks_out_of_sync(model, src):
+    digest = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    mine = torch.tensor([int.from_bytes(digest.digest()[:8], "little", signed=True)])
+    every = []
+    for r in range(world_size):
+        value = mine.clone()
+        dist.broadcast(value, src=r)
+        every.append(value)
+    return [r for r in range(world_size) if not torch.equal(every[r], every[src])]
+""",
+}
+
+DRIFT_OTHER_RIGHT = {
+    "a position-weighted sum of the bytes, in one all_gather_into_tensor": """
+def ranks_out_of_sync(model, src):
+    total, offset = 0, 0
+    for t in model.state_dict().values():
+        raw = t.detach().contiguous().view(torch.uint8).reshape(-1).to(torch.int64)
+        total += int((raw * torch.arange(offset + 1, offset + raw.numel() + 1)).sum())
+        offset += raw.numel()
+    mine = torch.tensor([total], dtype=torch.int64)
+    every = torch.zeros(world_size, dtype=torch.int64)
+    dist.all_gather_into_tensor(every, mine)
+    return sorted(r for r in range(world_size) if every[r] != every[src])
+""",
+    "src's digest broadcast, then each rank's verdict gathered": """
+import zlib
+
+
+def ranks_out_of_sync(model, src):
+    crc = 0
+    for name, t in model.state_dict().items():
+        crc = zlib.crc32(name.encode() + t.detach().contiguous().view(torch.uint8).numpy().tobytes(), crc)
+    theirs = torch.tensor([crc], dtype=torch.int64)
+    dist.broadcast(theirs, src=src)
+    differs = torch.tensor([int(theirs.item() != crc)])
+    flags = [torch.zeros_like(differs) for _ in range(world_size)]
+    dist.all_gather(flags, differs)
+    return [r for r, flag in enumerate(flags) if flag.item()]
+""",
+}
+
+
+@pytest.mark.parametrize("wrong", list(DRIFT_WRONG))
+def test_13_drift_refuses_wrong_values_and_wrong_methods(ip, lesson_ranks, wrong):
+    assert_checker(ip, LESSON, 1, DRIFT_WRONG[wrong], WORLD)
+
+
+@pytest.mark.parametrize("right", list(DRIFT_OTHER_RIGHT))
+def test_13_drift_accepts_other_right_answers(ip, lesson_ranks, right):
+    assert_accepted(ip, 1, DRIFT_OTHER_RIGHT[right])
+
+
+# exercise 2: every rank stops at the first step at which any rank noticed, with one small call a step
+
+STOP_WRONG = {
+    "each rank its own notice (the ranks disagree)": """
+def should_stop(noticed):
     dist.barrier()
+    return noticed
+""",
+    "rank 0 decides (misses the other ranks' notices)": """
+def should_stop(noticed):
+    flag = torch.tensor([int(noticed)])
+    dist.broadcast(flag, src=0)
+    return bool(flag.item())
+""",
+    "one broadcast from every rank (right value, too many calls)": """
+def should_stop(noticed):
+    stop = False
+    for r in range(world_size):
+        flag = torch.tensor([int(noticed)])
+        dist.broadcast(flag, src=r)
+        stop = stop or bool(flag.item())
+    return stop
+""",
+    "the flags gathered as pickled objects (right value, wrong method)": """
+def should_stop(noticed):
+    flags = [None] * world_size
+    dist.all_gather_object(flags, noticed)
+    return any(flags)
+""",
+    "a one-hot vector of world_size numbers summed (right value, too many numbers)": """
+def should_stop(noticed):
+    flags = torch.zeros(world_size)
+    flags[rank] = float(noticed)
+    dist.all_reduce(flags)
+    return bool(flags.sum() > 0)
+""",
+}
+
+STOP_OTHER_RIGHT = {
+    "a SUM of the flags, positive": """
+def should_stop(noticed):
+    count = torch.tensor([float(noticed)])
+    dist.all_reduce(count)
+    return count.item() > 0
+""",
+    "the flags gathered into one tensor": """
+def should_stop(noticed):
+    every = torch.zeros(world_size, dtype=torch.uint8)
+    dist.all_gather_into_tensor(every, torch.tensor([noticed], dtype=torch.uint8))
+    return bool(every.any())
 """,
 }
 
 
-@pytest.mark.parametrize("wrong", list(RESYNC_WRONG))
-def test_13_resync_must_copy_every_tensor_from_src(ip, lesson_ranks, wrong):
-    assert_checker(ip, LESSON, 1, RESYNC_WRONG[wrong], WORLD)
+@pytest.mark.parametrize("wrong", list(STOP_WRONG))
+def test_13_stop_refuses_wrong_values_and_wrong_methods(ip, lesson_ranks, wrong):
+    assert_checker(ip, LESSON, 2, STOP_WRONG[wrong], WORLD)
 
 
-# exercise 2: contiguous, covering, balanced shards
-
-SHARD_WRONG = {
-    "the remainder dropped (gaps)": """
-def shard_after_shrink(n_items, rank, world_size):
-    size = n_items // world_size
-    return range(rank * size, (rank + 1) * size)
-""",
-    "ceil-sized blocks (the last rank short by more than one, or past the end)": """
-import math
-
-
-def shard_after_shrink(n_items, rank, world_size):
-    size = math.ceil(n_items / world_size)
-    return range(rank * size, min((rank + 1) * size, n_items))
-""",
-    "overlapping blocks": """
-def shard_after_shrink(n_items, rank, world_size):
-    base, extra = divmod(n_items, world_size)
-    start = rank * base
-    return range(start, min(start + base + 1, n_items))
-""",
-    "strided, not contiguous": """
-def shard_after_shrink(n_items, rank, world_size):
-    return range(rank, n_items, world_size)
-""",
-}
-
-
-@pytest.mark.parametrize("wrong", list(SHARD_WRONG))
-def test_13_shards_must_cover_each_item_once_in_blocks(ip, lesson_ranks, wrong):
-    assert_checker(ip, LESSON, 2, SHARD_WRONG[wrong], WORLD)
+@pytest.mark.parametrize("right", list(STOP_OTHER_RIGHT))
+def test_13_stop_accepts_other_right_answers(ip, lesson_ranks, right):
+    assert_accepted(ip, 2, STOP_OTHER_RIGHT[right])
 
 
 def test_13_run_all_checks_the_learners_answers(ip, lesson_ranks):
     wrong = {
-        1: RESYNC_WRONG["parameters only (BatchNorm's running statistics and counter stay)"],
-        2: SHARD_WRONG["the remainder dropped (gaps)"],
+        1: DRIFT_WRONG["parameters only (blind to the buffers)"],
+        2: STOP_WRONG["rank 0 decides (misses the other ranks' notices)"],
     }
     assert_run_all(ip, LESSON, wrong, WORLD)
