@@ -1,17 +1,17 @@
-"""Lesson 19's checkers fail the obvious wrong answers and pass the reference solutions.
+"""Lesson 19's checkers fail wrong answers and wrong methods, and pass the reference and other right answers.
 
-As in tests/test_checkers.py: on a real gloo cluster of 2 ranks, with the lesson's set-up cell run on every
-rank (``TinyLM``, ``Block``, ``TP_PLAN``, the imports; it builds no mesh, so two ranks do), the lesson's own
-checker cell runs after a wrong solution (every rank must print ``not yet``) and after the lesson's reference
-solution (every rank ``pass``). Exercise 2's checker splits a block over a 1-D mesh of the 2 ranks, each with
-half of the sequence.
+On a real gloo cluster of 2 ranks, with the lesson's set-up cell run on every rank (``TinyLM``, ``build``,
+``TP_PLAN``, ``IDS``, the imports; it builds no mesh, so two ranks do), the lesson's own checker cell runs
+after a wrong solution (every rank must print ``not yet``) and after the lesson's reference solution (every
+rank ``pass``). Both checkers build their own meshes, every two-dimensional shape of the ranks
+(1 x 2 and 2 x 1 here), and count the collectives the answer makes.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.checker_harness import assert_checker, assert_run_all, lesson_cell, on_ranks
+from tests.checker_harness import assert_checker, assert_run_all, check, lesson_cell, on_ranks
 from tests.conftest import running_cluster
 
 LESSON = "19_capstone"
@@ -26,82 +26,137 @@ def lesson_ranks(ip):
         yield magics
 
 
-# exercise 1: bytes of parameters, gradients and Adam's moments per rank
+def assert_accepted(ip, exercise: int, answer: str) -> None:
+    assert set(check(ip, LESSON, exercise, answer, WORLD).values()) == {"pass"}
 
-STATE_WRONG = {
-    "parameters only (4 bytes each)": """
-def state_bytes(model, dp, tp, tp_layers):
-    return sum(4 * p.numel() // (dp * tp if name.split(".")[-2] in tp_layers else dp)
-               for name, p in model.named_parameters())
+
+# exercise 1: the norm of all the gradients on a 2-D mesh, in one collective
+
+NORM_WRONG = {
+    "one all-reduce per mesh, as section 8 (two collectives)": """
+def total_grad_norm(model, mesh):
+    tp = mesh["tp"].size()
+    two_d = torch.zeros((), device=device)
+    one_d = torch.zeros((), device=device)
+    for p in model.parameters():
+        if p.grad.device_mesh.ndim == 2:
+            two_d += p.grad.to_local().pow(2).sum()
+        else:
+            one_d += p.grad.to_local().pow(2).sum()
+    dist.all_reduce(two_d)
+    dist.all_reduce(one_d, group=mesh["dp"].get_group())
+    return (two_d + one_d).sqrt()
 """,
-    "everything divided by dp * tp": """
-def state_bytes(model, dp, tp, tp_layers):
-    return sum(16 * p.numel() // (dp * tp) for p in model.parameters())
+    "the dp-only gradients counted once per tp rank": """
+def total_grad_norm(model, mesh):
+    squares = sum(p.grad.to_local().pow(2).sum() for p in model.parameters())
+    dist.all_reduce(squares)
+    return squares.sqrt()
 """,
-    "TP layers divided by tp only": """
-def state_bytes(model, dp, tp, tp_layers):
-    return sum(16 * p.numel() // (tp if name.split(".")[-2] in tp_layers else dp)
-               for name, p in model.named_parameters())
+    "every gradient gathered whole (full_tensor)": """
+def total_grad_norm(model, mesh):
+    return torch.sqrt(sum(p.grad.full_tensor().pow(2).sum() for p in model.parameters()))
 """,
-    "Adam's moments forgotten (12 bytes)": """
-def state_bytes(model, dp, tp, tp_layers):
-    return sum(8 * p.numel() // (dp * tp if name.split(".")[-2] in tp_layers else dp)
-               for name, p in model.named_parameters())
+    "every rank's shards gathered in one all_gather_into_tensor": """
+def total_grad_norm(model, mesh):
+    tp = mesh["tp"].size()
+    local = torch.cat([p.grad.to_local().flatten() / (1 if p.grad.device_mesh.ndim == 2 else tp ** 0.5)
+                       for p in model.parameters()])
+    gathered = torch.empty(world_size * local.numel(), device=device)
+    dist.all_gather_into_tensor(gathered, local)
+    return gathered.pow(2).sum().sqrt()
+""",
+    "this rank's shards only": """
+def total_grad_norm(model, mesh):
+    return torch.nn.utils.get_total_norm([p.grad.to_local() for p in model.parameters()])
 """,
 }
 
 
-@pytest.mark.parametrize("wrong", list(STATE_WRONG))
-def test_19_state_bytes_must_follow_the_formula(ip, lesson_ranks, wrong):
-    assert_checker(ip, LESSON, 1, STATE_WRONG[wrong], WORLD)
+@pytest.mark.parametrize("wrong", list(NORM_WRONG))
+def test_19_total_grad_norm_in_one_small_collective(ip, lesson_ranks, wrong):
+    assert_checker(ip, LESSON, 1, NORM_WRONG[wrong], WORLD)
 
 
-# exercise 2: a sequence-parallel plan for a block (input and output this rank's tokens, no all-reduce)
-
-SP_IMPORTS = """
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
+def test_19_total_grad_norm_from_one_tp_rank_passes(ip, lesson_ranks):
+    """Another right way to count the replicated gradients once: only tp rank 0 adds them."""
+    first_tp_rank_only = """
+def total_grad_norm(model, mesh):
+    mine = mesh.get_local_rank("tp") == 0
+    squares = torch.zeros((), device=device)
+    for p in model.parameters():
+        if p.grad.device_mesh.ndim == 2 or mine:
+            squares += torch.linalg.vector_norm(p.grad.to_local()) ** 2
+    dist.all_reduce(squares)
+    return squares.sqrt()
 """
-
-PLAN_WRONG = {
-    "the lesson's TP_PLAN (inputs taken as replicated: all-reduces, attention over my tokens only)": """
-sp_block_plan = dict(TP_PLAN)
-""",
-    "norms left plain (their weights' gradients never summed over the ranks)": SP_IMPORTS + """
-sp_block_plan = {
-    "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-    "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
-    "attn.out": RowwiseParallel(output_layouts=Shard(1)),
-    "up": ColwiseParallel(input_layouts=Shard(1)),
-    "down": RowwiseParallel(output_layouts=Shard(1)),
-}
-""",
-    "row-parallel outputs all-reduced (Replicate), not reduce-scattered": SP_IMPORTS + """
-sp_block_plan = {
-    "norm1": SequenceParallel(),
-    "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-    "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
-    "attn.out": RowwiseParallel(),
-    "norm2": SequenceParallel(),
-    "up": ColwiseParallel(input_layouts=Shard(1)),
-    "down": RowwiseParallel(),
-}
-""",
-    "the MLP only, attention left whole": SP_IMPORTS + """
-sp_block_plan = {"norm2": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
-                 "down": RowwiseParallel(output_layouts=Shard(1))}
-""",
-}
+    assert_accepted(ip, 1, first_tp_rank_only)
 
 
-@pytest.mark.parametrize("wrong", list(PLAN_WRONG))
-def test_19_sp_block_plan_must_shard_the_sequence(ip, lesson_ranks, wrong):
-    assert_checker(ip, LESSON, 2, PLAN_WRONG[wrong], WORLD)
+# exercise 2: one optimizer step over k micro-batches, FSDP reducing the gradients once
+
+ACCUMULATE_WRONG = {
+    "a plain loop: FSDP reduce-scatters after every micro-batch": """
+def accumulate_step(model, optimizer, ids, k):
+    optimizer.zero_grad()
+    for chunk in ids.chunk(k):
+        (next_token_loss(model, chunk) / k).backward()
+    optimizer.step()
+""",
+    "the micro-batches' losses summed, not averaged": """
+def accumulate_step(model, optimizer, ids, k):
+    optimizer.zero_grad()
+    for i, chunk in enumerate(ids.chunk(k)):
+        model.set_requires_gradient_sync(i == k - 1)
+        next_token_loss(model, chunk).backward()
+    optimizer.step()
+""",
+    "a step after every micro-batch": """
+def accumulate_step(model, optimizer, ids, k):
+    for i, chunk in enumerate(ids.chunk(k)):
+        optimizer.zero_grad()
+        model.set_requires_gradient_sync(i == k - 1)
+        next_token_loss(model, chunk).backward()
+        optimizer.step()
+""",
+    "the gradients never reduced": """
+def accumulate_step(model, optimizer, ids, k):
+    optimizer.zero_grad()
+    model.set_requires_gradient_sync(False)
+    for chunk in ids.chunk(k):
+        (next_token_loss(model, chunk) / k).backward()
+    optimizer.step()
+    model.set_requires_gradient_sync(True)
+""",
+}
+
+
+@pytest.mark.parametrize("wrong", list(ACCUMULATE_WRONG))
+def test_19_accumulate_step_reduces_once(ip, lesson_ranks, wrong):
+    assert_checker(ip, LESSON, 2, ACCUMULATE_WRONG[wrong], WORLD)
+
+
+def test_19_accumulate_step_kept_gathered_passes(ip, lesson_ranks):
+    """Another right answer: the gradients divided after the backwards, and the groups kept gathered between
+    micro-batches (fewer all-gathers, same reduce-scatters)."""
+    kept_gathered = """
+def accumulate_step(model, optimizer, ids, k):
+    optimizer.zero_grad()
+    for i, chunk in enumerate(ids.chunk(k)):
+        last = i == k - 1
+        model.set_requires_gradient_sync(last)
+        model.set_reshard_after_backward(last)
+        next_token_loss(model, chunk).backward()
+    for p in model.parameters():
+        p.grad /= k
+    optimizer.step()
+"""
+    assert_accepted(ip, 2, kept_gathered)
 
 
 def test_19_run_all_checks_the_learners_answers(ip, lesson_ranks):
     wrong = {
-        1: STATE_WRONG["everything divided by dp * tp"],
-        2: PLAN_WRONG["norms left plain (their weights' gradients never summed over the ranks)"],
+        1: NORM_WRONG["the dp-only gradients counted once per tp rank"],
+        2: ACCUMULATE_WRONG["a plain loop: FSDP reduce-scatters after every micro-batch"],
     }
     assert_run_all(ip, LESSON, wrong, WORLD)
