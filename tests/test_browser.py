@@ -55,8 +55,10 @@ expect = playwright_api.expect
 class Lab:
     """A running JupyterLab server whose root is a temporary directory."""
 
-    def __init__(self) -> None:
-        self.root = Path(tempfile.mkdtemp(prefix="ddp-magics-lab-"))
+    def __init__(self, disabled_extensions: tuple[str, ...] = ()) -> None:
+        # Short names: a kernel's sockets live in the runtime directory (ipc transport), and a Unix
+        # socket's path has at most 107 characters (the run's TMPDIR is long already).
+        self.root = Path(tempfile.mkdtemp(prefix="lab-"))
         self.port = unused_port()
         self.token = os.urandom(16).hex()
         settings = self.root / ".settings" / "@jupyterlab" / "apputils-extension"
@@ -67,11 +69,18 @@ class Lab:
         )
         env = {
             **os.environ,
+            # Its own config directory: `jupyter labextension disable` for this server alone.
+            "JUPYTER_CONFIG_DIR": str(self.root / ".config"),
             "JUPYTERLAB_SETTINGS_DIR": str(self.root / ".settings"),
             "JUPYTERLAB_WORKSPACES_DIR": str(self.root / ".workspaces"),
-            "JUPYTER_RUNTIME_DIR": str(self.root / ".runtime"),
+            "JUPYTER_RUNTIME_DIR": str(self.root / ".rt"),
             "IPYTHONDIR": str(self.root / ".ipython"),
         }
+        labconfig = self.root / ".config" / "labconfig"
+        labconfig.mkdir(parents=True)
+        (labconfig / "page_config.json").write_text(
+            json.dumps({"disabledExtensions": {name: True for name in disabled_extensions}})
+        )
         command = [
             sys.executable,
             "-m",
