@@ -46,9 +46,7 @@ class Parking:
         self.parked_times = 0  # how often it was parked (for %dist_status and tests)
         self._closed = False
         self._thread: threading.Thread | None = None
-        if after is not None and after > 0:
-            self._thread = threading.Thread(target=self._watch, name="ddp_magics parking", daemon=True)
-            self._thread.start()
+        self.set_after(after)
 
     @property
     def parked(self) -> bool:
@@ -66,6 +64,15 @@ class Parking:
                 self._users -= 1
                 self._last_use = time.monotonic()
                 self._lock.notify_all()
+
+    def set_after(self, after: float | None) -> None:
+        """Park once unused for ``after`` seconds (None or 0: never), counted from the last use."""
+        with self._lock:
+            self.after = after if after else None
+            self._lock.notify_all()
+            if self.after is not None and self._thread is None and not self._closed:
+                self._thread = threading.Thread(target=self._watch, name="ddp_magics parking", daemon=True)
+                self._thread.start()
 
     def park_now(self) -> bool:
         """Park at once if the cluster may be parked (tests, benchmarks); whether it is parked."""
@@ -86,6 +93,9 @@ class Parking:
     def _watch(self) -> None:
         with self._lock:
             while not self._closed:
+                if self.after is None:  # never, until set again
+                    self._lock.wait()
+                    continue
                 due = self._last_use + self.after
                 now = time.monotonic()
                 if self._parked or self._users or now < due:

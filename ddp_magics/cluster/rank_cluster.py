@@ -41,12 +41,13 @@ def _no_progress(message: str) -> None:
     pass
 
 
-# What a parked cluster is woken for: every use of the ranks (the properties read only records).
+# What a parked cluster is woken for: every use of the ranks. Not for what reads only this side's
+# records and the ranks' PIDs (status, dead_ranks, busy_ranks; memory, unless it asks ranks).
 WAKING_METHODS = (
-    "restart", "recover", "replace_engines", "status", "memory", "run_cell", "wait_for_cell",
-    "cell_answers", "busy_ranks", "cell_failed", "cell_quit_debugging", "next_debugger_prompt",
-    "published", "clock_offsets", "push", "pull", "signal", "inspect", "debugger_input",
-    "start_post_mortem", "post_mortem_commands", "end_post_mortem", "snapshots", "dead_ranks",
+    "restart", "recover", "replace_engines", "run_cell", "wait_for_cell", "cell_answers",
+    "cell_failed", "cell_quit_debugging", "next_debugger_prompt", "published", "clock_offsets",
+    "push", "pull", "signal", "inspect", "debugger_input", "start_post_mortem",
+    "post_mortem_commands", "end_post_mortem", "snapshots",
 )
 
 
@@ -56,7 +57,7 @@ def _waking(cls):
         method = getattr(cls, name)
 
         def awake(self, *args, _method=method, **kwargs):
-            with self._parking.in_use() if self._parking is not None else contextlib.nullcontext():
+            with self._awake():
                 return _method(self, *args, **kwargs)
 
         awake.__name__, awake.__doc__, awake.__wrapped__ = name, method.__doc__, method
@@ -123,6 +124,14 @@ class RankCluster:
     def park(self) -> bool:
         """Park the cluster now if no cell runs (benchmarks, tests); whether it is parked."""
         return self._parking is not None and self._parking.park_now()
+
+    def park_after(self, seconds: float | None) -> None:
+        """Park once unused for ``seconds`` from now on (None: never)."""
+        if self._parking is not None:
+            self._parking.set_after(seconds)
+
+    def _awake(self):
+        return self._parking.in_use() if self._parking is not None else contextlib.nullcontext()
 
     def _parked_pids(self) -> list[int]:
         """The heart monitor first (it must never count a parked rank's silence), then the ranks
@@ -236,7 +245,7 @@ class RankCluster:
             elif info.rank not in busy:
                 to_ask.append(info.rank)
         if to_ask:
-            with contextlib.suppress(ClusterError):  # an engine busy after all: unknown
+            with self._awake(), contextlib.suppress(ClusterError):  # an engine busy after all: unknown
                 found.update(self.engines.call(to_ask, profiling.memory))
         return found
 
