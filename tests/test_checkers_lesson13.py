@@ -65,7 +65,7 @@ import hashlib
 def ranks_out_of_sync(model, src):
     digest = hashlib.sha256()
     for p in model.parameters():
-        digest.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(p.detach().reshape(-1).view(torch.uint8).numpy().tobytes())
     mine = torch.tensor([int.from_bytes(digest.digest()[:8], "little", signed=True)])
     every = [torch.zeros_like(mine) for _ in range(world_size)]
     dist.all_gather(every, mine)
@@ -79,7 +79,7 @@ def ranks_out_of_sync(model, src):
     digest = hashlib.sha256()
     for name, t in model.state_dict().items():
         digest.update(name.encode())
-        digest.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(t.detach().reshape(-1).view(torch.uint8).numpy().tobytes())
     mine = torch.tensor([int.from_bytes(digest.digest()[:8], "little", signed=True)])
     every = []
     for r in range(world_size):
@@ -95,7 +95,7 @@ DRIFT_OTHER_RIGHT = {
 def ranks_out_of_sync(model, src):
     total, offset = 0, 0
     for t in model.state_dict().values():
-        raw = t.detach().contiguous().view(torch.uint8).reshape(-1).to(torch.int64)
+        raw = t.detach().reshape(-1).view(torch.uint8).reshape(-1).to(torch.int64)
         total += int((raw * torch.arange(offset + 1, offset + raw.numel() + 1)).sum())
         offset += raw.numel()
     mine = torch.tensor([total], dtype=torch.int64)
@@ -110,7 +110,7 @@ import zlib
 def ranks_out_of_sync(model, src):
     crc = 0
     for name, t in model.state_dict().items():
-        crc = zlib.crc32(name.encode() + t.detach().contiguous().view(torch.uint8).numpy().tobytes(), crc)
+        crc = zlib.crc32(name.encode() + t.detach().reshape(-1).view(torch.uint8).numpy().tobytes(), crc)
     theirs = torch.tensor([crc], dtype=torch.int64)
     dist.broadcast(theirs, src=src)
     differs = torch.tensor([int(theirs.item() != crc)])
