@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from IPython.utils.capture import capture_output
 
-from tests.checker_harness import assert_checker, assert_run_all
+from tests.checker_harness import assert_checker, assert_run_all, lesson_cell, on_ranks
 
-# lesson 08: rotating checkpoints written atomically by rank 0; every rank's RNG state in rank 0's file
+# lesson 08: rotating checkpoints written crash-safely by rank 0; every rank's RNG state in rank 0's file
 
 ROTATING = """
 import os
@@ -17,6 +17,21 @@ import re
 
 def steps_in(folder):
     return [int(m[1]) for name in os.listdir(folder) if (m := re.fullmatch(r"step(\\d+)\\.pt", name))]
+
+
+def sync_directory(folder):
+    fd = os.open(folder, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
+def durable(state, final):
+    with open(final + ".tmp", "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(final + ".tmp", final)
+    sync_directory(os.path.dirname(final))
 
 
 def save_rotating(folder, state, step, keep=2):
@@ -32,18 +47,35 @@ def latest_checkpoint(folder):
     steps = steps_in(folder)
     return LATEST if steps else None
 """
-ATOMIC = 'torch.save(state, final + ".tmp"); os.replace(final + ".tmp", final)'
+DURABLE = "durable(state, final)"
 BY_STEP = 'os.path.join(folder, f"step{max(steps)}.pt")'
 ROTATING_WRONG = {
     "written straight to its final name": ROTATING.replace("SAVE", "torch.save(state, final)").replace(
         "LATEST", BY_STEP
     ),
-    "every checkpoint kept": ROTATING.replace("SAVE", ATOMIC).replace("[:-keep]", "[:0]").replace(
+    "renamed atomically but never synced: safe for readers, not for a crash": ROTATING.replace(
+        "SAVE", 'torch.save(state, final + ".tmp"); os.replace(final + ".tmp", final)'
+    ).replace("LATEST", BY_STEP),
+    "the file synced, the directory not": ROTATING.replace("SAVE", DURABLE)
+    .replace("    sync_directory(os.path.dirname(final))\n", "")
+    .replace("LATEST", BY_STEP),
+    "every checkpoint kept": ROTATING.replace("SAVE", DURABLE).replace("[:-keep]", "[:0]").replace(
         "LATEST", BY_STEP
     ),
-    "the latest by name, not by step": ROTATING.replace("SAVE", ATOMIC).replace(
+    "the latest by name, not by step": ROTATING.replace("SAVE", DURABLE).replace(
         "LATEST", 'os.path.join(folder, max(f"step{s}.pt" for s in steps))'
     ),
+    "the latest is any newest file, a crash's leftover included": ROTATING.replace("SAVE", DURABLE).replace(
+        "LATEST", "max((os.path.join(folder, n) for n in os.listdir(folder)), key=os.path.getmtime)"
+    ),
+}
+ROTATING_RIGHT_OTHER = {
+    "a path, then the file reopened to sync it": ROTATING.replace(
+        "SAVE",
+        'torch.save(state, final + ".part"); fd = os.open(final + ".part", os.O_RDONLY); os.fsync(fd); '
+        'os.close(fd); os.replace(final + ".part", final); sync_directory(folder)',
+    ).replace("LATEST", BY_STEP),
+    "a file object, the lesson's way": ROTATING.replace("SAVE", DURABLE).replace("LATEST", BY_STEP),
 }
 RNG_WRONG = {
     "rank 0's state only, loaded by every rank": """
@@ -81,6 +113,36 @@ def ckpt_dir(ip, cluster, tmp_path):
 @pytest.mark.parametrize("wrong", list(ROTATING_WRONG))
 def test_08_rotating_checkpoints_atomic_by_step(ip, cluster, ckpt_dir, wrong):
     assert_checker(ip, "08_checkpointing", 1, ROTATING_WRONG[wrong], 2)
+
+
+@pytest.mark.parametrize("right", list(ROTATING_RIGHT_OTHER))
+def test_08_rotating_checkpoints_accepts_other_right_answers(ip, cluster, ckpt_dir, right):
+    checker = lesson_cell("08_checkpointing", "# Checker for exercise 1")
+    text = on_ranks(ip, ROTATING_RIGHT_OTHER[right] + "\n" + checker)
+    assert "exercise 1: pass" in text and "not yet" not in text, text
+
+
+RNG_RIGHT_OTHER = """
+def save_rng_states(path):
+    states = [None] * world_size
+    dist.all_gather_object(states, torch.get_rng_state())   # every rank gets them all; rank 0 writes
+    if rank == 0:
+        with open(path, "wb") as f:                          # a file object, synced
+            torch.save(states, f)
+            f.flush()
+            os.fsync(f.fileno())
+    dist.barrier()
+
+
+def load_rng_state(path):
+    torch.set_rng_state(torch.load(path)[rank])
+"""
+
+
+def test_08_rng_states_accepts_another_right_answer(ip, cluster, ckpt_dir):
+    checker = lesson_cell("08_checkpointing", "# Checker for exercise 2")
+    text = on_ranks(ip, "import os\n" + RNG_RIGHT_OTHER + "\n" + checker)
+    assert "exercise 2: pass" in text and "not yet" not in text, text
 
 
 @pytest.mark.parametrize("wrong", list(RNG_WRONG))
