@@ -53,6 +53,7 @@ def run(
     trace_values_limit: int | None,
     profiled: bool,
     shell,
+    on_tick: Callable[[list[int], float], None] | None = None,
 ) -> CellOutcome:
     """Send the cell (a one-line error if it cannot be: a dead rank, tracing or profiling that
     does not start) and follow it to its outcome."""
@@ -71,10 +72,14 @@ def run(
         raise reports.dead_ranks_error(dead.ranks) from None
     except ClusterError as error:
         raise usage_error(f"{'--profile' if profiled else '--trace/--diagram'}: {error}") from None
-    return follow(cell_run.steps(), shell)
+    return follow(cell_run.steps(), shell, on_tick)
 
 
-def follow(steps: Generator[Tick | Prompt, str | None, CellOutcome], shell) -> CellOutcome:
+def follow(
+    steps: Generator[Tick | Prompt, str | None, CellOutcome],
+    shell,
+    on_tick: Callable[[list[int], float], None] | None = None,
+) -> CellOutcome:
     """Show a cell's progress and answer its prompts until it ends; the stop button, wherever it
     is pressed, goes to the cell run. A widget a rank displays (a tqdm bar) is shown as it comes,
     so that it moves while the cell runs (its updates reach the notebook as they happen); the
@@ -90,6 +95,8 @@ def follow(steps: Generator[Tick | Prompt, str | None, CellOutcome], shell) -> C
                         live_html(record.outputs, set(record.pending), record.elapsed, LIVE_TAIL_LINES)
                     )
                     _show_new_widgets(record.outputs, widgets_shown)
+                    if on_tick is not None:
+                        on_tick(list(record.pending), record.elapsed)
                     answer = None
                 else:
                     answer = ask(record)

@@ -20,7 +20,7 @@ from IPython.core.magic import (
 )
 from IPython.core.magic_arguments import argument, kwds, magic_arguments, parse_argstring
 
-from ddp_magics import arguments, cell_view, reports
+from ddp_magics import arguments, cell_view, lab_comm, reports
 from ddp_magics.cell_run import Waits
 from ddp_magics.cluster.rank_cluster import RankCluster
 from ddp_magics.cluster.records import BACKENDS, LAUNCHERS, ClusterConfig, ClusterError
@@ -40,6 +40,8 @@ class DistributedMagics(Magics, Settings):
         self._config: ClusterConfig | None = None  # the last %dist_start's, for %dist_restart
         self._restart_failed = False  # the last %dist_restart failed, stopping the cluster
         self.last = reports.LastOutcome()  # what later cells and magics need of earlier ones
+        self.channel = lab_comm.ClusterChannel(self)  # the cluster's state for JupyterLab's extension
+        self.channel.open()
 
     @magic_arguments()
     @argument("-n", type=int, default=None, help="number of ranks (default: GPUs, else 2)")
@@ -192,7 +194,10 @@ class DistributedMagics(Magics, Settings):
         waits = Waits(timeout, self.error_grace, self.interrupt_grace, self.live_view_after)
         values_limit = self.trace_values_limit if args.diagram or args.trace is not None else None
         profiled = args.profile is not None
-        outcome = cell_view.run(cluster, cell, ranks, waits, values_limit, profiled, self.shell)
+        outcome = cell_view.run(
+            cluster, cell, ranks, waits, values_limit, profiled, self.shell, on_tick=self.channel.tick
+        )
+        self.channel.cell_ended(outcome)
         cell_view.show(outcome, self.collapse_identical, self.max_output_lines, args.diagram)
         if args.trace is not None:
             self.shell.user_ns[args.trace] = outcome.trace
@@ -327,3 +332,4 @@ class DistributedMagics(Magics, Settings):
     def shutdown(self) -> None:
         """Stop the cluster (used by %unload_ext)."""
         self._stop_cluster()
+        self.channel.close()

@@ -287,11 +287,13 @@ def test_lesson_00_run_all(lab, open_notebook):
     notebook.screenshot("run-all")
 
     outputs = code_cells.locator(".jp-OutputArea-output")
-    # One rank block per rank, side by side.
-    expect(outputs.filter(has_text="I am rank 0 of 2").first).to_be_visible()
-    expect(outputs.filter(has_text="I am rank 1 of 2").first).to_be_visible()
-    headers = notebook.page.locator(".ddp-rank-header")
-    expect(headers.filter(has_text="[ranks 0,1]").first).to_be_visible()  # identical outputs collapsed
+    # The rank view (labextension/): a tab per rank, rank 0's shown first, rank 1's a click away.
+    hello = outputs.filter(has_text="I am rank 0 of 2").first
+    expect(hello).to_be_visible()
+    hello.locator(".ddp-RankView-tab", has_text="rank 1").click()
+    expect(hello.locator(".ddp-RankView-panel")).to_contain_text("I am rank 1 of 2")
+    tabs = notebook.page.locator(".ddp-RankView-tab")
+    expect(tabs.filter(has_text="ranks 0,1").first).to_be_visible()  # identical outputs collapsed
     # The --diagram cell shows a picture.
     diagram = code_cells.filter(has_text="%%distributed --diagram").locator(".jp-OutputArea-output img")
     expect(diagram).to_be_visible()
@@ -320,7 +322,7 @@ def test_live_view_then_final_output(lab, open_notebook):
     expect(live).to_have_count(0)
     shown = notebook.output(1)  # the live view is hidden in place: one output shows
     expect(shown).to_have_count(1)
-    expect(shown).to_contain_text("[ranks 0,1]")
+    expect(shown.locator(".ddp-RankView-tab")).to_have_text("ranks 0,1")
     expect(shown).to_contain_text("step 3")
     notebook.run_and_wait(2)
     assert not notebook.console_errors
@@ -390,8 +392,8 @@ def test_ring_stepper_buttons(lab, open_notebook):
 
 
 def test_four_ranks_then_shut_down_kernel_from_the_menu(lab, open_notebook):
-    """Four rank columns never break a line inside a word; then "Shut Down Kernel" ends every
-    process of the cluster (checked by PID)."""
+    """Four rank columns (the rank view's compare grid) never break a line inside a word; then
+    "Shut Down Kernel" ends every process of the cluster (checked by PID)."""
     values = "%%distributed\nprint(f'rank {rank}:', (torch.arange(6.0) + rank).tolist())"
     notebook = open_notebook(
         lab.add_notebook("shutdown.ipynb", [START.replace("-n 2", "-n 4"), values, PIDS])
@@ -399,7 +401,8 @@ def test_four_ranks_then_shut_down_kernel_from_the_menu(lab, open_notebook):
     notebook.page.set_viewport_size({"width": 900, "height": 1000})
     notebook.run_and_wait(0)
     notebook.run_and_wait(1)
-    lines = notebook.output(1).locator("pre")
+    notebook.cell(1).locator(".ddp-RankView-compare").click()  # the rank view's compare grid
+    lines = notebook.output(1).locator(".ddp-RankView-grid pre")
     expect(lines).to_have_count(4)
     for index in range(4):
         expect(lines.nth(index)).to_have_text(f"rank {index}: {[float(i + index) for i in range(6)]}")

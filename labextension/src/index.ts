@@ -1,11 +1,14 @@
 // ddp_magics in JupyterLab: the rank view of each %%distributed cell, the cluster live in a side
 // panel and the status bar, and the number of ranks in the notebook toolbar.
 
-import { JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
+import { ILabShell, JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
 import { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
 import { IRenderMimeRegistry } from '@jupyterlab/rendermime';
+import { IStatusBar } from '@jupyterlab/statusbar';
 
+import { ClusterPanel, ClusterStates, ClusterStatusItem } from './cluster';
 import { RANKS_MIMETYPE, RankView } from './rankview';
+import { RanksField } from './toolbar';
 
 /** Outputs after the first of a cell that the rank view shows already (a figure of a rank, the
  * rank blocks after it) are marked so in their metadata by the magic; they are hidden here. */
@@ -64,4 +67,39 @@ const rankViewPlugin: JupyterFrontEndPlugin<void> = {
   }
 };
 
-export default [rankViewPlugin];
+const clusterPlugin: JupyterFrontEndPlugin<void> = {
+  id: 'ddp-magics:cluster',
+  description: 'The cluster live: a side panel, a status-bar item, the number of ranks in the toolbar.',
+  autoStart: true,
+  requires: [INotebookTracker],
+  optional: [ILabShell, IStatusBar],
+  activate: (
+    app: JupyterFrontEnd,
+    tracker: INotebookTracker,
+    labShell: ILabShell | null,
+    statusBar: IStatusBar | null
+  ) => {
+    const states = new ClusterStates(tracker);
+    const panel = new ClusterPanel(states);
+    if (labShell) {
+      labShell.add(panel, 'right', { rank: 900 });
+    }
+    if (statusBar) {
+      statusBar.registerStatusItem('ddp-magics:cluster-status', {
+        item: new ClusterStatusItem(states),
+        align: 'left',
+        rank: 4,
+        isActive: () => !!tracker.currentWidget && tracker.currentWidget === app.shell.currentWidget
+      });
+    }
+    tracker.widgetAdded.connect((_, notebook) => {
+      const field = new RanksField(notebook, states, (code, target) => panel.run(code, target));
+      if (!notebook.toolbar.insertAfter('kernelName', 'ddp-magics-ranks', field)) {
+        notebook.toolbar.addItem('ddp-magics-ranks', field);
+      }
+      notebook.disposed.connect(() => field.dispose());
+    });
+  }
+};
+
+export default [rankViewPlugin, clusterPlugin];
