@@ -50,7 +50,8 @@ export class RanksField extends Widget {
     this._input.addEventListener('change', () => void this._changed());
     this._input.addEventListener('keydown', event => {
       if (event.key === 'Enter') {
-        this._input.blur();
+        event.preventDefault();
+        void this._changed();
       }
     });
     states.changed.connect(this._show, this);
@@ -71,6 +72,7 @@ export class RanksField extends Widget {
       (state && state.default_world_size ? state.default_world_size : null);
     this._input.value = size ? String(size) : '';
     this._input.placeholder = size ? '' : 'auto';
+    this._shown = size;
   }
 
   private async _tellKernel(): Promise<void> {
@@ -83,10 +85,24 @@ export class RanksField extends Widget {
 
   private async _changed(): Promise<void> {
     const size = Number(this._input.value);
+    if (this._busy || size === this._shown) {
+      return; // Enter, then the change event as the field loses focus: one change
+    }
     if (!Number.isSafeInteger(size) || size < 1) {
       this._show();
       return;
     }
+    this._busy = true;
+    try {
+      await this._apply(size);
+    } finally {
+      this._busy = false;
+      this._input.blur();
+      this._show();
+    }
+  }
+
+  private async _apply(size: number): Promise<void> {
     const state = this._states.current === this._panel ? this._states.state : null;
     const running = !!state && state.state !== 'none' && state.world_size > 0;
     if (running && state && state.world_size === size) {
@@ -100,7 +116,6 @@ export class RanksField extends Widget {
         buttons: [Dialog.cancelButton(), Dialog.warnButton({ label: `Restart with ${size} ranks` })]
       });
       if (!answer.button.accept) {
-        this._show();
         return;
       }
     }
@@ -109,7 +124,6 @@ export class RanksField extends Widget {
     if (running) {
       await this._run('%dist_stop\n%dist_start', this._panel);
     }
-    this._show();
   }
 
   private _save(size: number): void {
@@ -121,4 +135,6 @@ export class RanksField extends Widget {
   private _states: ClusterStates;
   private _run: (code: string, panel: NotebookPanel) => Promise<void>;
   private _input: HTMLInputElement;
+  private _shown: number | null = null;
+  private _busy = false;
 }
