@@ -49,6 +49,15 @@ def ranks_by_host(agents):
 """
 
 ENV_WRONG = {
+    "one port for every job": """
+import subprocess
+def torch_env(slurm):
+    hosts = subprocess.run(["scontrol", "show", "hostnames", slurm["SLURM_JOB_NODELIST"]],
+                           capture_output=True, text=True, check=True).stdout.split()
+    return {"RANK": slurm["SLURM_PROCID"], "WORLD_SIZE": slurm["SLURM_NTASKS"],
+            "LOCAL_RANK": slurm["SLURM_LOCALID"], "LOCAL_WORLD_SIZE": slurm["SLURM_NTASKS_PER_NODE"],
+            "GROUP_RANK": slurm["SLURM_NODEID"], "MASTER_ADDR": hosts[0], "MASTER_PORT": 29500}
+""",
     "RANK from node and local id (wrong under cyclic distribution)": """
 import re
 def torch_env(slurm):
@@ -80,7 +89,9 @@ def torch_env(slurm):
 }
 
 # a different right answer: scontrol (the fake one, on PATH) expands the node list
-ENV_RIGHT_OTHERWISE = ENV_WRONG["a port per task"].replace(' + int(slurm["SLURM_PROCID"])', "")
+ENV_RIGHT_OTHERWISE = ENV_WRONG["a port per task"].replace(
+    'int(slurm["SLURM_PROCID"])', 'int(slurm["SLURM_JOB_ID"]) % 1000'
+)
 
 
 def notebook_verdict(ip, exercise: int, solution: str) -> str:
