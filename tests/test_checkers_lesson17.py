@@ -1,16 +1,16 @@
-"""Lesson 17's checkers fail the obvious wrong answers and pass the reference solutions.
+"""Lesson 17's checkers fail wrong answers and wrong methods, and pass the reference and other right answers.
 
 As in tests/test_checkers.py: on a real gloo cluster of 2 ranks, with the lesson's set-up cell run on every
 rank (``attend``, ``NEG_INF``, ``F``, the sequence), the lesson's own checker cell runs after a wrong solution
 (every rank must print ``not yet``) and after the lesson's reference solution (every rank ``pass``).
-Exercise 2's checker runs the learner's all-to-alls on the 2 ranks.
+Both checkers count what the answer sends or receives, on the 2 ranks.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.checker_harness import assert_checker, assert_run_all, lesson_cell, on_ranks
+from tests.checker_harness import assert_checker, assert_run_all, check, lesson_cell, on_ranks
 from tests.conftest import running_cluster
 
 LESSON = "17_context_parallel"
@@ -25,45 +25,82 @@ def lesson_ranks(ip):
         yield magics
 
 
-# exercise 1: a CP rank's inputs, labels and positions under head-tail sharding
+# exercise 1: causal attention on the plain split, each rank receiving only the blocks before it
 
-SHARD_WRONG = {
-    "sharded first, then shifted inside the shard": """
-def cp_shard(ids, rank, world_size):
-    chunks = torch.arange(len(ids) - 1).chunk(2 * world_size)
-    positions = torch.cat([chunks[rank], chunks[2 * world_size - 1 - rank]])
-    mine = ids[positions]
-    return mine, torch.cat([mine[1:], ids[-1:]]), positions
+NEEDED_WRONG = {
+    "the ring of section 3: every block to every rank (right values)": """
+def causal_attention_needed_only(q, k, v):
+    world, me = dist.get_world_size(), dist.get_rank()
+    mine = torch.stack([k, v]).contiguous()
+    blocks, current = {me: mine}, mine
+    for step in range(1, world):
+        arriving = torch.empty_like(mine)
+        requests = [dist.isend(current, (me + 1) % world), dist.irecv(arriving, (me - 1) % world)]
+        for request in requests:
+            request.wait()
+        blocks[(me - step) % world] = current = arriving
+    kv = torch.cat([blocks[r] for r in range(world)], dim=3)
+    s = q.shape[2]
+    seen = torch.arange(me * s, (me + 1) * s)[:, None] >= torch.arange(kv.shape[3])[None, :]
+    return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=seen)
 """,
-    "labels not shifted (the inputs again)": """
-def cp_shard(ids, rank, world_size):
-    chunks = torch.arange(len(ids) - 1).chunk(2 * world_size)
-    positions = torch.cat([chunks[rank], chunks[2 * world_size - 1 - rank]])
-    return ids[positions], ids[positions], positions
+    "keys and values all-gathered (right values)": """
+def causal_attention_needed_only(q, k, v):
+    world, me = dist.get_world_size(), dist.get_rank()
+    mine = torch.stack([k, v]).contiguous()
+    blocks = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(blocks, mine)
+    kv = torch.cat(blocks, dim=3)
+    s = q.shape[2]
+    seen = torch.arange(me * s, (me + 1) * s)[:, None] >= torch.arange(kv.shape[3])[None, :]
+    return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=seen)
 """,
-    "a plain contiguous split": """
-def cp_shard(ids, rank, world_size):
-    positions = torch.arange(len(ids) - 1).chunk(world_size)[rank]
-    return ids[positions], ids[positions + 1], positions
+    "no communication (this rank's own keys only)": """
+def causal_attention_needed_only(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 """,
-    "positions local to the rank (0, 1, 2, ...)": """
-def cp_shard(ids, rank, world_size):
-    chunks = torch.arange(len(ids) - 1).chunk(2 * world_size)
-    positions = torch.cat([chunks[rank], chunks[2 * world_size - 1 - rank]])
-    return ids[positions], ids[positions + 1], torch.arange(len(positions))
-""",
-    "the whole ids (S + 1 tokens) sharded, the last label lost": """
-def cp_shard(ids, rank, world_size):
-    chunks = torch.arange(len(ids)).chunk(2 * world_size)
-    positions = torch.cat([chunks[rank], chunks[2 * world_size - 1 - rank]])
-    return ids[positions], ids[(positions + 1).clamp(max=len(ids) - 1)], positions
+    "the earlier blocks received, the mask forgotten": """
+def causal_attention_needed_only(q, k, v):
+    world, me = dist.get_world_size(), dist.get_rank()
+    mine = torch.stack([k, v])
+    sends = [dist.isend(mine, later) for later in range(me + 1, world)]
+    blocks = [torch.empty_like(mine) for _ in range(me)]
+    for earlier, block in enumerate(blocks):
+        dist.recv(block, earlier)
+    for request in sends:
+        request.wait()
+    kv = torch.cat(blocks + [mine], dim=3)
+    return F.scaled_dot_product_attention(q, kv[0], kv[1])
 """,
 }
 
 
-@pytest.mark.parametrize("wrong", list(SHARD_WRONG))
-def test_17_cp_shard_must_shift_then_shard(ip, lesson_ranks, wrong):
-    assert_checker(ip, LESSON, 1, SHARD_WRONG[wrong], WORLD)
+@pytest.mark.parametrize("wrong", list(NEEDED_WRONG))
+def test_17_causal_attention_must_receive_only_the_blocks_before(ip, lesson_ranks, wrong):
+    assert_checker(ip, LESSON, 1, NEEDED_WRONG[wrong], WORLD)
+
+
+def test_17_causal_attention_forwarded_down_a_chain_passes(ip, lesson_ranks):
+    """Another right method: the blocks go down a chain, each rank passing on the earlier ones and its own."""
+    chain = """
+def causal_attention_needed_only(q, k, v):
+    world, me = dist.get_world_size(), dist.get_rank()
+    mine = torch.stack([k, v]).contiguous()
+    blocks = []
+    for _ in range(me):
+        block = torch.empty_like(mine)
+        dist.recv(block, me - 1)
+        if me + 1 < world:
+            dist.send(block, me + 1)
+        blocks.append(block)
+    if me + 1 < world:
+        dist.send(mine, me + 1)
+    kv = torch.cat(blocks + [mine], dim=3)
+    s = q.shape[2]
+    seen = torch.arange(me * s, (me + 1) * s)[:, None] >= torch.arange(kv.shape[3])[None, :]
+    return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=seen)
+"""
+    assert set(check(ip, LESSON, 1, chain, WORLD).values()) == {"pass"}
 
 
 # exercise 2: Ulysses attention, sequence split -> head split -> sequence split
@@ -121,6 +158,37 @@ def ulysses_attention(q, k, v, causal):
     out = F.scaled_dot_product_attention(to_heads(q), to_heads(k), to_heads(v), is_causal=causal)
     return out[:, :, :s].repeat(1, world, 1, 1)
 """,
+    "keys and values all-gathered, attention of my queries (right values, not Ulysses)": """
+def ulysses_attention(q, k, v, causal):
+    world = dist.get_world_size()
+    ks, vs = [torch.empty_like(k) for _ in range(world)], [torch.empty_like(v) for _ in range(world)]
+    dist.all_gather(ks, k.contiguous())
+    dist.all_gather(vs, v.contiguous())
+    k_all, v_all = torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+    s = q.shape[2]
+    start = dist.get_rank() * s
+    allowed = torch.arange(start, start + s)[:, None] >= torch.arange(world * s)[None, :]
+    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=allowed if causal else None)
+""",
+    "everything all-to-all'ed twice (right values, twice the bytes)": """
+def ulysses_attention(q, k, v, causal):
+    world = dist.get_world_size()
+    b, h, s, d = q.shape
+
+    def there_and_back_again(x):
+        pieces = x.reshape(b, world, h // world, s, d).transpose(0, 1).contiguous()
+        received = torch.empty_like(pieces)
+        dist.all_to_all_single(received, pieces)
+        again = torch.empty_like(received)
+        dist.all_to_all_single(again, pieces)
+        return received.permute(1, 2, 0, 3, 4).reshape(b, h // world, world * s, d)
+
+    out = F.scaled_dot_product_attention(*(there_and_back_again(x) for x in (q, k, v)), is_causal=causal)
+    pieces = out.reshape(b, h // world, world, s, d).permute(2, 0, 1, 3, 4).contiguous()
+    received = torch.empty_like(pieces)
+    dist.all_to_all_single(received, pieces)
+    return received.transpose(0, 1).reshape(b, h, s, d)
+""",
 }
 
 
@@ -129,9 +197,29 @@ def test_17_ulysses_must_attend_over_the_whole_sequence(ip, lesson_ranks, wrong)
     assert_checker(ip, LESSON, 2, ULYSSES_WRONG[wrong], WORLD)
 
 
+def test_17_ulysses_with_q_k_v_in_one_all_to_all_passes(ip, lesson_ranks):
+    """Another right answer: q, k and v stacked and sent in one all-to-all (two collectives in all)."""
+    stacked = """
+def ulysses_attention(q, k, v, causal):
+    world = dist.get_world_size()
+    b, h, s, d = q.shape
+    qkv = torch.stack([q, k, v])                                          # (3, b, h, s, d)
+    pieces = qkv.reshape(3, b, world, h // world, s, d).permute(2, 0, 1, 3, 4, 5).contiguous()
+    received = torch.empty_like(pieces)
+    dist.all_to_all_single(received, pieces)                              # received[i]: rank i's tokens
+    q2, k2, v2 = received.permute(1, 2, 3, 0, 4, 5).reshape(3, b, h // world, world * s, d)
+    out = F.scaled_dot_product_attention(q2, k2, v2, is_causal=causal)
+    back = out.reshape(b, h // world, world, s, d).permute(2, 0, 1, 3, 4).contiguous()
+    home = torch.empty_like(back)
+    dist.all_to_all_single(home, back)
+    return home.transpose(0, 1).reshape(b, h, s, d)
+"""
+    assert set(check(ip, LESSON, 2, stacked, WORLD).values()) == {"pass"}
+
+
 def test_17_run_all_checks_the_learners_answers(ip, lesson_ranks):
     wrong = {
-        1: SHARD_WRONG["sharded first, then shifted inside the shard"],
+        1: NEEDED_WRONG["the ring of section 3: every block to every rank (right values)"],
         2: ULYSSES_WRONG["attention over my own tokens only (no all-to-all)"],
     }
     assert_run_all(ip, LESSON, wrong, WORLD)
