@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.checker_harness import assert_checker, assert_run_all
+from tests.checker_harness import assert_checker, assert_run_all, check
 
 LESSON = "18_expert_parallel"
 WORLD = 2
@@ -55,6 +55,28 @@ def exchange_counts(expert_ids):
     total = send.clone()
     dist.all_reduce(total)
     return destination.argsort(stable=True), send.tolist(), total.tolist()
+""",
+    "every rank's expert ids gathered (right sizes, the rows' ids all travel)": """
+def exchange_counts(expert_ids):
+    destination = expert_ids % world_size
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, expert_ids.tolist())
+    send = torch.bincount(destination, minlength=world_size).tolist()
+    recv = [sum(1 for e in ids if e % world_size == rank) for ids in everyone]
+    return destination.argsort(stable=True), send, recv
+""",
+    "one all-to-all per destination rank (right sizes)": """
+def exchange_counts(expert_ids):
+    destination = expert_ids % world_size
+    send = torch.bincount(destination, minlength=world_size)
+    recv = torch.zeros_like(send)
+    for d in range(world_size):
+        one = torch.zeros_like(send)
+        one[d] = send[d]
+        got = torch.zeros_like(send)
+        dist.all_to_all_single(got, one)
+        recv += got
+    return destination.argsort(stable=True), send.tolist(), recv.tolist()
 """,
 }
 
@@ -114,6 +136,21 @@ def keep_first_choices_first(chosen, capacity):
 @pytest.mark.parametrize("wrong", list(PRIORITY_WRONG))
 def test_18_capacity_must_take_first_choices_first(ip, cluster, wrong):
     assert_checker(ip, LESSON, 2, PRIORITY_WRONG[wrong], WORLD)
+
+
+def test_18_exchange_counts_by_all_gather_of_counts_passes(ip, cluster):
+    """Another right method: one all-gather of each rank's counts (world_size numbers from each), each rank
+    reading its column."""
+    gathered = """
+def exchange_counts(expert_ids):
+    destination = expert_ids % world_size
+    send = torch.bincount(destination, minlength=world_size)
+    table = torch.empty(world_size * world_size, dtype=send.dtype, device=send.device)
+    dist.all_gather_into_tensor(table, send)
+    recv = table.reshape(world_size, world_size)[:, rank]
+    return torch.sort(destination, stable=True).indices, send.tolist(), recv.tolist()
+"""
+    assert set(check(ip, LESSON, 1, gathered, WORLD).values()) == {"pass"}
 
 
 def test_18_run_all_checks_the_learners_answers(ip, cluster):
