@@ -78,6 +78,22 @@ class FileShards(IterableDataset):
         records = itertools.chain.from_iterable(self.files[name] for name in sorted(self.files))
         return itertools.islice(records, reader, None, readers)
 """,
+    "every file read through items(), only its own yielded": """
+from torch.utils.data import IterableDataset, get_worker_info
+
+
+class FileShards(IterableDataset):
+    def __init__(self, files):
+        self.files = files
+
+    def __iter__(self):
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info else (1, 0)
+        readers, reader = dist.get_world_size() * workers, dist.get_rank() * workers + worker
+        for j, (name, records) in enumerate(sorted(self.files.items())):
+            if j % readers == reader:
+                yield from records
+""",
     "sharded by rank only: the workers of a rank repeat each other": """
 from torch.utils.data import IterableDataset
 
