@@ -22,6 +22,7 @@ when first seen cannot be attributed and is not counted. Loaded by ``-p tests.le
 from __future__ import annotations
 
 import atexit
+import getpass
 import os
 import shutil
 import sys
@@ -132,6 +133,10 @@ class _LeftoverCheck:
         atexit.register(self.remove_run_temp)
         # pytest's own folders (tmp_path) stay where they were, kept for a look after a failure.
         os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", self.outer_temp)
+        # torch's compile cache, made in the temp directory when torch._dynamo is imported (DDP does;
+        # torch/_inductor/runtime/cache_dir_utils.py), stays where it was too: a cache runs share.
+        inductor_cache = os.path.join(self.outer_temp, f"torchinductor_{getpass.getuser()}")
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache)
         os.environ["TMPDIR"] = self.run_temp
         tempfile.tempdir = self.run_temp
         self.shm = SharedMemoryWatch(self.run_temp)
