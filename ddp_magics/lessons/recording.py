@@ -29,24 +29,37 @@ COLLECTIVES = (
 )
 
 
-def _size(tensor) -> int:
+def _size(tensor, in_bytes: bool = False) -> int:
     if isinstance(tensor, (list, tuple)):
-        return sum(_size(t) for t in tensor)
-    return tensor.numel() if hasattr(tensor, "numel") else 0
+        return sum(_size(t, in_bytes) for t in tensor)
+    if not hasattr(tensor, "numel"):
+        return 0
+    return tensor.numel() * (tensor.element_size() if in_bytes else 1)
 
 
 def recorded_collectives(fn: Callable, *args, **kwargs) -> list[tuple[str, int]]:
     """Run ``fn(*args, **kwargs)``; every collective it called, in order, as ``(name, number of values)``
     (for the object collectives the number of values is 0)."""
+    return [(call["name"], call["values"]) for call in recorded_calls(fn, *args, **kwargs)]
+
+
+def recorded_calls(fn: Callable, *args, **kwargs) -> list[dict]:
+    """Run ``fn(*args, **kwargs)``; every collective it called, in order, as a dict: ``name``, ``values``
+    (the number of values of its first argument), ``bytes`` and ``caller`` (the module of the code that
+    called it: a learner's cell, or one of torch's own modules)."""
+    import sys
+
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
-    calls: list[tuple[str, int]] = []
+    calls: list[dict] = []
     real = {name: getattr(c10d, name) for name in COLLECTIVES if hasattr(c10d, name)}
 
     def recording(name: str) -> Callable:
         def call(first, *rest, **more):
-            calls.append((name, _size(first)))
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            calls.append({"name": name, "values": _size(first), "bytes": _size(first, True),
+                          "caller": caller})
             return real[name](first, *rest, **more)
 
         return call
