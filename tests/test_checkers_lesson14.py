@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.checker_harness import assert_checker, assert_run_all, lesson_cell, on_ranks
+from tests.checker_harness import assert_checker, assert_run_all, check, lesson_cell, on_ranks
 from tests.conftest import running_cluster
 
 LESSON = "14_fsdp"
@@ -147,6 +147,33 @@ def shard_keep_last(model):
 @pytest.mark.parametrize("wrong", list(SHARD_WRONG))
 def test_14_shard_keep_last_must_group_the_last_block_with_the_head_and_keep_it(ip, lesson_ranks, wrong):
     assert_checker(ip, LESSON, 2, SHARD_WRONG[wrong], WORLD)
+
+
+def test_14_predict_bytes_by_chunking_passes(ip, lesson_ranks):
+    """Another right method: chunk an empty tensor of each parameter's shape as fully_shard does."""
+    by_chunk = """
+def predict_bytes(model, rank, world_size):
+    total = 0
+    for p in model.parameters():
+        pieces = torch.chunk(torch.empty(p.shape, dtype=p.dtype, device="meta"), world_size)
+        total += pieces[rank].numel() * p.element_size() if rank < len(pieces) else 0
+    return total
+"""
+    assert set(check(ip, LESSON, 1, by_chunk, WORLD).values()) == {"pass"}
+
+
+def test_14_shard_keep_last_set_after_sharding_passes(ip, lesson_ranks):
+    """Another right method: the shared group made with the default, then kept gathered after forward."""
+    set_afterwards = """
+def shard_keep_last(model):
+    *blocks, last, head = model
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard([last, head], mesh=mesh)
+    last.set_reshard_after_forward(False)
+    return fully_shard(model, mesh=mesh)
+"""
+    assert set(check(ip, LESSON, 2, set_afterwards, WORLD).values()) == {"pass"}
 
 
 def test_14_run_all_checks_the_learners_answers(ip, lesson_ranks):
