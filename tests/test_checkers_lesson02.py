@@ -128,7 +128,36 @@ def on_demand(n_jobs, work):
 """
 
 
+ON_DEMAND_OTHER_PROTOCOL = """
+def on_demand(n_jobs, work):
+    message = torch.zeros(3, dtype=torch.int64, device=p2p_device)  # (asker, finished job or -1, its result)
+    if rank == 0:
+        results, queue, working = [None] * n_jobs, list(range(n_jobs)), world_size - 1
+        while working:
+            dist.recv(message, group=p2p)  # the asker names itself in the message
+            asker, job, result = message.tolist()
+            if job >= 0:
+                results[job] = result
+            go_on = bool(queue)
+            reply = torch.tensor([queue.pop(0) if go_on else 0, int(go_on)], device=p2p_device)  # job, go on
+            dist.send(reply, dst=asker, group=p2p)
+            working -= 0 if go_on else 1
+        return results
+    ran, reply = [], torch.zeros(2, dtype=torch.int64, device=p2p_device)
+    message = torch.tensor([rank, -1, 0], device=p2p_device)
+    while True:
+        dist.send(message, dst=0, group=p2p)
+        dist.recv(reply, src=0, group=p2p)
+        job, go_on = reply.tolist()
+        if not go_on:
+            return ran
+        ran.append(job)
+        message = torch.tensor([rank, job, work(job)], device=p2p_device)
+"""
+
+
 def test_02_run_all_checks_the_learners_answers(ip, cluster):
     on_ranks(ip, lesson_cell("02_point_to_point", "p2p = None if"))
     assert_checker(ip, "02_point_to_point", 1, ON_DEMAND_RESULTS_WRONG, 2)
+    assert set(check(ip, "02_point_to_point", 1, ON_DEMAND_OTHER_PROTOCOL, 2).values()) == {"pass"}
     assert_run_all(ip, "02_point_to_point", P2P_WRONG, 2)

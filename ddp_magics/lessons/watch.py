@@ -17,6 +17,7 @@ checker as steps instead.
 from __future__ import annotations
 
 import contextlib
+import pickle
 import threading
 from dataclasses import dataclass
 
@@ -37,7 +38,7 @@ _local = threading.local()
 @dataclass
 class Call:
     name: str
-    numel: int  # elements of the first tensor argument (a list: the sum); 0 if none
+    numel: int  # elements this rank contributes (a list: the sum; objects: pickled bytes / 4)
     group_size: int  # ranks of the group it ran on
     peer: int | None = None  # a point-to-point call's dst or src (global rank); None: any, or a collective
 
@@ -57,12 +58,50 @@ class Calls(list):
         return [call for call in self if not call.collective]
 
 
-def _numel(args, kwargs) -> int:
+INPUT_AT = {  # where a collective takes what this rank contributes, when that is not its first tensor
+    "all_gather": (1, "tensor"),
+    "all_gather_into_tensor": (1, "input_tensor"),
+    "reduce_scatter": (1, "input_list"),
+    "reduce_scatter_tensor": (1, "input"),
+    "all_to_all": (1, "input_tensor_list"),
+    "all_to_all_single": (1, "input"),
+}
+OBJECTS_AT = {
+    "all_gather_object": (1, "obj"),
+    "gather_object": (0, "obj"),
+    "send_object_list": (0, "object_list"),
+    "broadcast_object_list": (0, "object_list"),
+    "scatter_object_list": (1, "scatter_object_input_list"),
+}
+
+
+def _tensor_numel(value) -> int | None:
+    if isinstance(value, torch.Tensor):
+        return value.numel()
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value):
+        return sum(v.numel() for v in value)
+    return None
+
+
+def _numel(name, args, kwargs) -> int:
+    """The elements this rank contributes to the call; for an object collective, its pickled bytes / 4."""
+    if name in OBJECTS_AT:
+        position, key = OBJECTS_AT[name]
+        value = kwargs.get(key, args[position] if len(args) > position else None)
+        try:
+            return len(pickle.dumps(value)) // 4 + 1
+        except Exception:
+            return 0
+    if name in INPUT_AT:
+        position, key = INPUT_AT[name]
+        value = kwargs.get(key, args[position] if len(args) > position else None)
+        found = _tensor_numel(value)
+        if found is not None:
+            return found
     for value in list(args) + list(kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            return value.numel()
-        if isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value):
-            return sum(v.numel() for v in value)
+        found = _tensor_numel(value)
+        if found is not None:
+            return found
     return 0
 
 
@@ -106,7 +145,7 @@ def watching():
         def recorded(*args, _name=name, _real=real, **kwargs):
             if getattr(_local, "depth", 0) == 0:
                 peer = _peer(_name, args, kwargs)
-                calls.append(Call(_name, _numel(args, kwargs), _group_size(args, kwargs), peer))
+                calls.append(Call(_name, _numel(_name, args, kwargs), _group_size(args, kwargs), peer))
             _local.depth = getattr(_local, "depth", 0) + 1
             try:
                 return _real(*args, **kwargs)
