@@ -1,4 +1,4 @@
-"""Lesson 04's exercise checkers refuse wrong answers and pass the reference solutions
+"""Lesson 04's exercise checkers refuse wrong answers and wrong methods and accept other right answers
 (tests/checker_harness.py says how)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from tests.checker_harness import assert_run_all, check, lesson_cell, on_ranks, reference_answer
 from tests.conftest import running_cluster
 
-# lesson 04: the ring, not a built-in collective
+# lesson 04: the ring, not a built-in collective nor sends of one's own
 
 RING_WRONG = {
     (1, "built-in broadcast"): """
@@ -23,23 +23,78 @@ def ring_broadcast(tensor, src, group=None):
         if hop == step + 1:  # the left neighbour had src's values: keep them
             tensor.copy_(incoming)
 """,
+    (1, "the whole tensor at each of 2(n-1) steps"): """
+def ring_broadcast(tensor, src, group=None):
+    me, n = dist.get_rank(group), dist.get_world_size(group)
+    hop = (me - src) % n
+    incoming = torch.empty_like(tensor)
+    for step in range(2 * (n - 1)):  # the right number of steps, each sending everything
+        pass_right(tensor, incoming, group)
+        if hop == step + 1:
+            tensor.copy_(incoming)
+""",
     (2, "built-in all_gather"): """
-def ring_all_gather(chunk, group=None):
-    pieces = [torch.zeros_like(chunk) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(pieces, chunk, group=group)
-    return torch.cat(pieces)
+def ring_prefix_sum(tensor, group=None):
+    everyone = [torch.zeros_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, tensor, group=group)
+    tensor.copy_(sum(everyone[: dist.get_rank(group) + 1]))
 """,
-    (3, "built-in all_reduce per tensor"): """
-def ring_all_reduce_many(tensors, group=None):
-    for t in tensors:
-        dist.all_reduce(t, group=group)
+    (2, "a send and recv of its own, beside pass_right"): """
+def ring_prefix_sum(tensor, group=None):
+    me, n = dist.get_rank(group), dist.get_world_size(group)
+    incoming = torch.empty_like(tensor)
+    for step in range(1, n):
+        pass_right(tensor, incoming, group)
+        if me == step:
+            tensor += incoming
+    if n > 1 and me == 0:  # an extra message outside the ring's steps
+        dist.send(tensor, group=group, group_dst=1)
+    elif n > 1 and me == 1:
+        dist.recv(incoming, group=group, group_src=0)
 """,
-    (3, "one ring per tensor"): """
-def ring_all_reduce_many(tensors, group=None):
-    for t in tensors:
-        ring_all_reduce(t, group)  # 2(n-1) steps each, where one bucket takes 2(n-1) in all
+    (3, "built-in all_to_all"): """
+def ring_all_to_all(pieces, group=None):
+    got = [torch.empty_like(p) for p in pieces]
+    dist.all_to_all(got, list(pieces), group=group)
+    return got
+""",
+    (3, "every piece carried all the way round"): """
+def ring_all_to_all(pieces, group=None):
+    me, n = dist.get_rank(group), dist.get_world_size(group)
+    got = [None] * n
+    travelling = torch.stack(list(pieces))  # all n pieces, every step: (n-1) n pieces sent, not n(n-1)/2
+    for step in range(1, n):
+        arrived = torch.empty_like(travelling)
+        pass_right(travelling, arrived, group)
+        got[(me - step) % n] = arrived[me].clone()
+        travelling = arrived
+    got[me] = pieces[me].clone()
+    return got
 """,
 }
+
+PREFIX_ADDING_FROM_THE_LEFT = """
+def ring_prefix_sum(tensor, group=None):
+    me, n = dist.get_rank(group), dist.get_world_size(group)
+    travelling, arrived = tensor.clone(), torch.empty_like(tensor)
+    for step in range(1, n):  # every rank's own tensor goes round; keep what started at a lower rank
+        pass_right(travelling, arrived, group)
+        if step <= me:
+            tensor += arrived
+        travelling, arrived = arrived, travelling
+"""
+ALL_TO_ALL_FARTHEST_FIRST = """
+def ring_all_to_all(pieces, group=None):
+    me, n = dist.get_rank(group), dist.get_world_size(group)
+    got = {me: pieces[me].clone()}
+    bundle = torch.stack([pieces[(me - k) % n] for k in range(1, n)])  # farthest destination first
+    for step in range(1, n):
+        arrived = torch.empty_like(bundle)
+        pass_right(bundle, arrived, group)
+        got[(me - step) % n] = arrived[-1].clone()
+        bundle = arrived[:-1].clone()
+    return [got[r] for r in range(n)]
+"""
 
 
 def test_04_ring_exercises_must_use_the_ring(ip):
@@ -54,5 +109,7 @@ def test_04_ring_exercises_must_use_the_ring(ip):
         for exercise in (1, 2, 3):
             reference = reference_answer("04_ring_allreduce", exercise)
             assert set(check(ip, "04_ring_allreduce", exercise, reference, 4).values()) == {"pass"}, exercise
+        for exercise, right in ((2, PREFIX_ADDING_FROM_THE_LEFT), (3, ALL_TO_ALL_FARTHEST_FIRST)):
+            assert set(check(ip, "04_ring_allreduce", exercise, right, 4).values()) == {"pass"}, exercise
         first_wrong = {exercise: RING_WRONG[exercise, name] for exercise, name in reversed(RING_WRONG)}
         assert_run_all(ip, "04_ring_allreduce", first_wrong, 4)

@@ -237,3 +237,49 @@ def _sources_text(sources: frozenset[int], world_size: int) -> str:
     if len(sources) == world_size:
         return "(all ranks)"
     return "(" + "+".join(f"r{rank}" for rank in sorted(sources)) + ")"
+
+
+def draw_ring_steps(inputs: list[list[float]]):
+    """Every step of the ring all-reduce of ``inputs`` as one static matplotlib figure, one panel per step.
+
+    A panel is a grid, a row per rank and a column per chunk; a square's shade is how many ranks' inputs its
+    chunk holds (white: one, dark: all), its number the chunk's first value, and a thick frame marks the chunk
+    that arrived at that step (green in the reduce-scatter, blue in the all-gather), with the sender's rank
+    beside it. Deterministic: the same inputs draw the same picture.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    states = ring_allreduce_states(inputs)
+    n = len(inputs)
+    frames = {REDUCE_SCATTER: "#2e7d32", ALL_GATHER: "#1565c0"}
+    figure, axes = plt.subplots(1, len(states), figsize=(1.45 * len(states) + 0.4, 0.42 * n + 1.1))
+    for ax, state in zip(axes, states):
+        arrived = {(t.dst, t.chunk): t.src for t in state.transfers}
+        for rank in range(n):
+            for chunk in range(n):
+                share = len(state.sources[rank][chunk])
+                shade = 1.0 - 0.75 * (share - 1) / (n - 1)
+                ax.add_patch(Rectangle((chunk, rank), 1, 1, facecolor=(shade, shade, shade), edgecolor="0.6"))
+                value = state.values[rank][chunk][0]
+                ax.text(chunk + 0.5, rank + 0.5, format_number(value), ha="center", va="center", fontsize=7,
+                        color="white" if shade < 0.5 else "black")
+                if (rank, chunk) in arrived:
+                    ax.add_patch(Rectangle((chunk + 0.05, rank + 0.05), 0.9, 0.9, fill=False, linewidth=2.2,
+                                           edgecolor=frames[state.phase]))
+        ax.set_xlim(0, n)
+        ax.set_ylim(n, 0)
+        ax.set_aspect("equal")
+        ax.set_xticks([c + 0.5 for c in range(n)], [f"c{c}" for c in range(n)], fontsize=7)
+        ax.set_yticks([r + 0.5 for r in range(n)], [f"r{r}" for r in range(n)], fontsize=7)
+        ax.tick_params(length=0)
+        short = "RS" if state.phase == REDUCE_SCATTER else "AG"
+        name = "start" if state.phase == START else f"{short} {state.number}"
+        ax.set_title(name, fontsize=9, color=frames.get(state.phase, "black"))
+    figure.suptitle(
+        "ring all-reduce, step by step: rows are ranks, columns chunks; darker = more ranks' inputs summed; "
+        "framed = arrived this step (RS: reduce-scatter, adds; AG: all-gather, keeps)",
+        fontsize=8,
+    )
+    figure.tight_layout()
+    return figure
