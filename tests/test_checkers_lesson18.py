@@ -153,6 +153,22 @@ def exchange_counts(expert_ids):
     assert set(check(ip, LESSON, 1, gathered, WORLD).values()) == {"pass"}
 
 
+def test_18_capacity_by_cumulative_counts_passes(ip, cluster):
+    """Another right method, without a loop over experts: each row's position among its expert's rows, slot by
+    slot, from a cumulative one-hot count."""
+    cumulative = """
+import torch.nn.functional as F
+
+
+def keep_first_choices_first(chosen, capacity):
+    slot_major = chosen.t().flatten()
+    one_hot = F.one_hot(slot_major.long(), int(chosen.max()) + 1 if chosen.numel() else 1)
+    position = (one_hot.cumsum(dim=0) * one_hot).sum(dim=1) - 1
+    return (position < capacity).view(chosen.shape[1], chosen.shape[0]).t()
+"""
+    assert set(check(ip, LESSON, 2, cumulative, WORLD).values()) == {"pass"}
+
+
 def test_18_run_all_checks_the_learners_answers(ip, cluster):
     wrong = {
         1: EXCHANGE_WRONG["no exchange: recv_sizes taken to be send_sizes"],
