@@ -286,10 +286,9 @@ def test_lesson_00_run_all(lab, open_notebook):
     expect(prompt).to_have_text(re.compile(r"\[\d+\]:"), timeout=240_000)
     notebook.screenshot("run-all")
 
-    outputs = code_cells.locator(".jp-OutputArea-output")
     # The rank view (labextension/): a tab per rank, rank 0's shown first, rank 1's a click away.
-    hello = outputs.filter(has_text="I am rank 0 of 2").first
-    expect(hello).to_be_visible()
+    hello = code_cells.filter(has_text='print(f"I am rank {rank}').first  # found by its code
+    expect(hello.locator(".ddp-RankView-panel")).to_contain_text("I am rank 0 of 2")
     hello.locator(".ddp-RankView-tab", has_text="rank 1").click()
     expect(hello.locator(".ddp-RankView-panel")).to_contain_text("I am rank 1 of 2")
     tabs = notebook.page.locator(".ddp-RankView-tab")
@@ -346,6 +345,7 @@ def test_hang_report_then_restart_with_progress(lab, open_notebook):
     assert "stopping the 2 engines" in seen(), "the restart showed no progress"
     expect(notebook.output(2)).to_contain_text("2 ranks ready")
     notebook.run_and_wait(3)
+    notebook.output(3).locator(".ddp-RankView-tab", has_text="rank 1").click()  # the rank view's tab
     expect(notebook.output(3)).to_contain_text("rank 1 is back")
     notebook.run_and_wait(4)
     assert not notebook.console_errors
@@ -428,7 +428,7 @@ def test_breakpoint_on_a_rank_is_answered_in_the_input_box(lab, open_notebook):
     notebook = open_notebook(lab.add_notebook("debug.ipynb", [START, stop, "%dist_stop"]))
     notebook.run_and_wait(0)
     notebook.run(1)
-    for command, shown in (("p x", "41"), ("c", "done 1")):
+    for command, shown in (("p x", "41"), ("c", "done 0")):
         box = notebook.cell(1).locator(".jp-Stdin-input:enabled").last  # a box answered stays, disabled
         expect(box).to_be_visible(timeout=30_000)
         expect(notebook.cell(1).locator(".jp-Stdin-prompt").last).to_contain_text("(Pdb rank 1)")
@@ -438,5 +438,7 @@ def test_breakpoint_on_a_rank_is_answered_in_the_input_box(lab, open_notebook):
     notebook.wait_done(1)
     notebook.screenshot("breakpoint")
     assert "done 0" in notebook.text(1)
+    notebook.cell(1).locator(".ddp-RankView-tab", has_text="rank 1").click()  # the rank view's tab
+    expect(notebook.cell(1).locator(".ddp-RankView-panel")).to_contain_text("done 1")
     notebook.run_and_wait(2)
     assert not notebook.console_errors
