@@ -114,7 +114,9 @@ def remove_learner(learner: Learner) -> list[str]:
     left = [f"process {pid}" for pid in end_processes_of(learner.uid)]
     for entry in owned_entries(learner.uid):
         kept = entry.name == f"ddp_magics-{learner.uid}" and entry.is_dir()  # the clusters root, by design
-        if not kept or any(entry.iterdir()):
+        if entry.name == f"torchinductor_{learner.name}":  # torch's cache, made as torch._dynamo is imported
+            kept = True
+        if not kept or (entry.name.startswith("ddp_magics-") and any(entry.iterdir())):
             left.append(str(entry) + (f" holding {sorted(p.name for p in entry.iterdir())}" if kept else ""))
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry, ignore_errors=True)
