@@ -136,6 +136,12 @@ class Settings(Configurable):
     def _usable_wait(self, proposal):
         return self._checked(proposal, arguments.wait_problem(proposal.value))
 
+    @validate("park_idle_after")
+    def _usable_park_time(self, proposal):
+        if proposal.value is None:
+            return None
+        return self._checked(proposal, arguments.wait_problem(proposal.value))
+
     @validate(*arguments.COUNT_LIMITS)
     def _count_in_range(self, proposal):
         return self._checked(proposal, arguments.count_problem(proposal.trait.name, proposal.value))
