@@ -32,8 +32,12 @@ def tabs(notebook: Notebook, index: int):
 def test_four_ranks_a_tab_each_and_the_compare_grid(lab, open_notebook):
     hello = "%%distributed\nprint(f'hello from rank {rank}')"
     fails = "%%distributed\nprint('before')\nresult = 1 / (1 - rank)"
+    rich = (
+        "%%distributed\nfrom IPython.display import HTML, display\n"
+        "print('rank', rank)\ndisplay(HTML(f'<b class=\"shown\">rank {rank} in bold</b>'))"
+    )
     notebook = open_notebook(
-        lab.add_notebook("rankview.ipynb", [START.replace("-n 2", "-n 4"), hello, fails, "%dist_stop"])
+        lab.add_notebook("rankview.ipynb", [START.replace("-n 2", "-n 4"), hello, fails, rich, "%dist_stop"])
     )
     notebook.run_and_wait(0)
     notebook.run_and_wait(1)
@@ -63,7 +67,15 @@ def test_four_ranks_a_tab_each_and_the_compare_grid(lab, open_notebook):
     # The error box is as before, below the view.
     error = notebook.cell(2).locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
     expect(error).to_contain_text("DistributedCellError: rank 1 raised ZeroDivisionError")
+    # A rank's displays are in its tab; the outputs after the view (the blocks and displays it
+    # shows) are hidden.
     notebook.run_and_wait(3)
+    expect(tabs(notebook, 3)).to_have_count(4)
+    tabs(notebook, 3).nth(2).click()
+    expect(notebook.cell(3).locator(".ddp-RankView-panel b.shown")).to_have_text("rank 2 in bold")
+    expect(notebook.cell(3).locator(".ddp-RankView-panel")).to_contain_text("rank 2")
+    expect(notebook.cell(3).locator(".jp-OutputArea-child:visible")).to_have_count(1)
+    notebook.run_and_wait(4)
     assert not notebook.console_errors
 
 
