@@ -41,6 +41,8 @@ c.ConfigurableHTTPProxy.pid_file = str(STATE / "proxy.pid")
 c.JupyterHub.db_url = f"sqlite:///{STATE / 'jupyterhub.sqlite'}"
 c.JupyterHub.cookie_secret_file = str(STATE / "jupyterhub_cookie_secret")
 c.JupyterHub.pid_file = str(STATE / "jupyterhub.pid")
+# The hub's event-loop metric wakes it every 50 ms: 0.43 % of a core, idle, with no learner.
+c.PeriodicMetricsCollector.event_loop_interval_enabled = False
 c.JupyterHub.cleanup_servers = True  # stopping the hub stops every learner's server (and their clusters)
 
 c.JupyterHub.authenticator_class = "pam"
