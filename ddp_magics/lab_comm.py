@@ -19,8 +19,13 @@ from __future__ import annotations
 import contextlib
 import time
 
+from ddp_magics.stacks import BlockedRank
+
 TARGET = "ddp_magics.cluster"
 MIN_SECONDS = 0.25
+# While a cell runs and the extension listens: from this many seconds on, every so many seconds,
+# the ranks still running are asked where they are (their stacks, as the cell's report reads them).
+WHERE_AFTER_SECONDS, WHERE_EVERY_SECONDS, WHERE_WAIT_SECONDS = 2.0, 2.0, 0.5
 
 
 class ClusterChannel:
@@ -31,6 +36,10 @@ class ClusterChannel:
         self._comm = None
         self._sent_at = 0.0
         self._where: dict[int, dict] = {}  # rank -> where it waits, from the last cell's outcome
+        self._listening = False  # the extension answered the comm's opening
+        self._cell = ""  # the running cell's code, to read a rank's line from its stack
+        self._asked_at = 0.0
+        self._running_where: dict[int, dict] = {}
 
     # ------------------------------------------------------------------ the comm
     def open(self) -> None:
@@ -40,6 +49,7 @@ class ClusterChannel:
             from comm import create_comm
 
             self._comm = create_comm(target_name=TARGET, data={"cluster": self.state()})
+            self._comm.on_msg(self._from_front_end)
         except Exception:  # no comm machinery: the extension just shows nothing
             self._comm = None
             return
@@ -57,6 +67,11 @@ class ClusterChannel:
         if self._comm is not None:
             self._comm.send({"cluster": state})  # never a top-level "state": nbclient reads it as a widget's
             self._sent_at = time.monotonic()
+
+    def _from_front_end(self, message: dict) -> None:
+        data = message.get("content", {}).get("data", {})
+        if isinstance(data, dict) and data.get("listening"):
+            self._listening = True
 
     def _after_cell(self, result=None) -> None:
         with contextlib.suppress(Exception):  # never an error in a cell's output for the panel's sake
@@ -76,11 +91,36 @@ class ClusterChannel:
                     "text": item.where(),
                 }
 
+    def cell_started(self, cell: str) -> None:
+        self._cell, self._running_where, self._asked_at, self._where = cell, {}, 0.0, {}
+
     def tick(self, pending: list[int], elapsed: float) -> None:
         """A ``%%distributed`` cell is running: the ranks in ``pending`` have not finished."""
         if self._comm is None or time.monotonic() - self._sent_at < MIN_SECONDS:
             return
+        if self._listening and elapsed >= WHERE_AFTER_SECONDS:
+            self._ask_where(pending)
         self.send(self.state(running=(set(pending), elapsed)))
+
+    def _ask_where(self, pending: list[int]) -> None:
+        """Where each rank still running is now (its stack, read as a cell's report reads it)."""
+        if time.monotonic() - self._asked_at < WHERE_EVERY_SECONDS or self.magics.cluster is None:
+            return
+        self._asked_at = time.monotonic()
+        try:
+            found = self.magics.cluster.inspect(sorted(pending), wait=WHERE_WAIT_SECONDS)
+        except Exception:  # the cell's own wait goes on; the panel just knows less
+            return
+        for rank, inspection in found.items():
+            blocked = BlockedRank.from_dump(rank, inspection.stack, self._cell)
+            if blocked.cell_line is not None:
+                self._running_where[rank] = {
+                    "how": "running",
+                    "line": blocked.cell_line,
+                    "code": blocked.source_line,
+                    "call": blocked.dist_call,
+                    "text": blocked.where(),
+                }
 
     def state(self, running: tuple[set[int], float] | None = None) -> dict:
         magics = self.magics
@@ -113,6 +153,9 @@ class ClusterChannel:
             where = self._where.get(info.rank)
             if not status.alive:
                 state, doing = "dead", "its process ended"
+            elif running and info.rank in busy and info.rank in self._running_where:
+                where = self._running_where[info.rank]
+                state, doing = "running", f"{where['text']} ({running[1]:.0f} s)"
             elif running and info.rank in busy:
                 state, doing = "running", f"running the cell ({running[1]:.0f} s)"
             elif info.rank in busy and where:
@@ -130,8 +173,8 @@ class ClusterChannel:
                     "device": info.device,
                     "state": state,
                     "doing": doing,
-                    "line": where["line"] if where and state in ("hung", "stopped") else None,
-                    "code": where["code"] if where and state in ("hung", "stopped") else None,
+                    "line": where["line"] if where and state in ("hung", "stopped", "running") else None,
+                    "code": where["code"] if where and state in ("hung", "stopped", "running") else None,
                     "unique": getattr(found, "unique", None),
                     "pss": getattr(found, "proportional", None),
                     "resident": getattr(found, "resident", None),

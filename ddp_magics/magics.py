@@ -194,6 +194,7 @@ class DistributedMagics(Magics, Settings):
         waits = Waits(timeout, self.error_grace, self.interrupt_grace, self.live_view_after)
         values_limit = self.trace_values_limit if args.diagram or args.trace is not None else None
         profiled = args.profile is not None
+        self.channel.cell_started(cell)
         outcome = cell_view.run(
             cluster, cell, ranks, waits, values_limit, profiled, self.shell, on_tick=self.channel.tick
         )

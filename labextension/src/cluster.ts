@@ -66,6 +66,8 @@ export class ClusterStates {
       this._registered.add(kernel);
       kernel.registerCommTarget(COMM_TARGET, (comm: Kernel.IComm, message: KernelMessage.ICommOpenMsg) => {
         this._update(panel, message.content.data);
+        // Tells the kernel someone listens: only then does it ask running ranks where they are.
+        comm.send({ listening: true });
         comm.onMsg = (update: KernelMessage.ICommMsgMsg) => this._update(panel, update.content.data);
         comm.onClose = () => {
           this._states.delete(panel);
