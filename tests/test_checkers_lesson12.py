@@ -26,6 +26,89 @@ def lesson_ranks(ip, tmp_path_factory):
         yield magics
 
 
+# exercise 2: a broadcast that names its tensor; equal names cost a few numbers, different ones raise
+
+TAGGED_WRONG = {
+    "no check at all": """
+def tagged_broadcast(t, name, src):
+    dist.broadcast(t, src)
+""",
+    "the names gathered from every rank on every call": """
+def tagged_broadcast(t, name, src):
+    names = [None] * world_size
+    dist.all_gather_object(names, name)
+    if len(set(names)) > 1:
+        raise RuntimeError("; ".join(f"rank {r}: {n}" for r, n in enumerate(names)))
+    dist.broadcast(t, src)
+""",
+    "src's name and tensor sent as a pickled object to compare": """
+def tagged_broadcast(t, name, src):
+    theirs = [name, t.tolist()]
+    dist.broadcast_object_list(theirs, src=src)
+    differs = torch.tensor([float(theirs[0] != name)], device=t.device)
+    dist.all_reduce(differs, op=dist.ReduceOp.MAX)
+    if differs.item():
+        names = [None] * world_size
+        dist.all_gather_object(names, name)
+        raise RuntimeError("; ".join(f"rank {r}: {n}" for r, n in enumerate(names)))
+    t.copy_(torch.tensor(theirs[1], device=t.device))
+""",
+    "the ranks compared, then t broadcast anyway": """
+import zlib
+def tagged_broadcast(t, name, src):
+    tag = torch.tensor([zlib.crc32(name.encode())], dtype=torch.int64, device=t.device)
+    low, high = tag.clone(), tag.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.broadcast(t, src)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    if low.item() != high.item():
+        names = [None] * world_size
+        dist.all_gather_object(names, name)
+        raise RuntimeError("; ".join(f"rank {r}: {n}" for r, n in enumerate(names)))
+""",
+}
+
+# right on 2 ranks: the message names ranks 0 and 1 only
+TAGGED_TWO_RANKS = """
+import zlib
+def tagged_broadcast(t, name, src):
+    tag = zlib.crc32(name.encode())
+    low_high = torch.tensor([tag, -tag], dtype=torch.int64, device=t.device)
+    dist.all_reduce(low_high, op=dist.ReduceOp.MIN)
+    if low_high[0].item() != -low_high[1].item():
+        names = [None] * world_size
+        dist.all_gather_object(names, name)
+        raise RuntimeError("; ".join(f"rank {r}: {names[r]}" for r in range(2)))
+    dist.broadcast(t, src)
+"""
+
+# another right answer: src's tag broadcast, each rank compares, one flag all-reduced
+TAGGED_RIGHT_OTHERWISE = """
+import zlib
+def tagged_broadcast(t, name, src):
+    mine = zlib.crc32(name.encode())
+    theirs = torch.tensor([mine], dtype=torch.int64, device=t.device)
+    dist.broadcast(theirs, src)
+    differs = torch.tensor([int(theirs.item() != mine)], device=t.device)
+    dist.all_reduce(differs, op=dist.ReduceOp.MAX)
+    if differs.item():
+        names = [None] * world_size
+        dist.all_gather_object(names, name)
+        raise RuntimeError(", ".join(f"rank {r}: {n}" for r, n in enumerate(names)))
+    dist.broadcast(t, src)
+"""
+
+
+def test_12_tagged_broadcast_on_four_ranks(ip):
+    """On 4 ranks a message built for 2 is refused; the reference and another right answer pass. First in the
+    module: no other cluster runs yet (the module's 2-rank one starts with the next test)."""
+    from tests.checker_harness import check
+
+    with running_cluster(ip, 4):
+        assert_checker(ip, LESSON, 2, TAGGED_TWO_RANKS, 4)
+        assert set(check(ip, LESSON, 2, TAGGED_RIGHT_OTHERWISE, 4).values()) == {"pass"}
+
+
 # exercise 1: the first collective some ranks never recorded, per group, with buffers that dropped old entries
 
 UNJOINED_RIGHT_BUT = """
@@ -80,71 +163,20 @@ def test_12_first_unjoined_accepts_another_walk(ip, lesson_ranks):
     assert set(check(ip, LESSON, 1, UNJOINED_RIGHT_OTHERWISE, 2).values()) == {"pass"}
 
 
-# exercise 2: compare shapes and dtypes with a few numbers, then reduce; raise on every rank if they differ
-
-CHECKED_WRONG = {
-    "no check at all": """
-def checked_all_reduce(t):
-    dist.all_reduce(t)
-""",
-    "a local check only": """
-def checked_all_reduce(t):
-    if t.dim() != 2:
-        raise RuntimeError(f"rank {rank}: {list(t.shape)} {t.dtype}")
-    dist.all_reduce(t)
-""",
-    "the sizes compared, not the dtypes": """
-def checked_all_reduce(t):
-    numel = torch.tensor([t.numel()], device=t.device)
-    largest = numel.clone()
-    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-    if largest.item() != numel.item():
-        raise RuntimeError(f"rank {rank}: {list(t.shape)} {t.dtype}, largest {largest.item()}")
-    dist.all_reduce(t)
-""",
-    "the whole tensor gathered to compare": """
-def checked_all_reduce(t):
-    flat = t.reshape(-1)[:64].float()
-    everyone = [torch.empty_like(flat) for _ in range(world_size)]
-    dist.all_gather(everyone, flat)
-    described = [None] * world_size
-    dist.all_gather_object(described, (list(t.shape), str(t.dtype)))
-    if len(set(map(str, described))) > 1:
-        raise RuntimeError("; ".join(f"rank {r}: {s} {d}" for r, (s, d) in enumerate(described)))
-    dist.all_reduce(t)
-""",
-}
-
-CHECKED_RIGHT_OTHERWISE = """
-CODES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
-
-
-def checked_all_reduce(t):
-    mine = torch.full((10,), -1, dtype=torch.int64, device=t.device)
-    mine[0], mine[1] = CODES.index(t.dtype), t.dim()
-    mine[2 : 2 + t.dim()] = torch.tensor(t.shape)
-    everyone = [torch.empty_like(mine) for _ in range(world_size)]
-    dist.all_gather(everyone, mine)
-    if any(not torch.equal(other, mine) for other in everyone):
-        raise RuntimeError("; ".join(f"rank {r}: {f[2 : 2 + int(f[1])].tolist()} {CODES[int(f[0])]}"
-                                     for r, f in enumerate(everyone)))
-    dist.all_reduce(t)
-"""
-
-
-@pytest.mark.parametrize("wrong", list(CHECKED_WRONG))
-def test_12_checked_all_reduce_refuses(ip, lesson_ranks, wrong):
-    assert_checker(ip, LESSON, 2, CHECKED_WRONG[wrong], 2)
+@pytest.mark.parametrize("wrong", list(TAGGED_WRONG))
+def test_12_tagged_broadcast_refuses(ip, lesson_ranks, wrong):
+    assert_checker(ip, LESSON, 2, TAGGED_WRONG[wrong], 2)
     assert "[ranks 0,1]\nok" in on_ranks(ip, "dist.barrier(); print('ok')")  # the group still works
 
 
-def test_12_checked_all_reduce_accepts_a_tensor_fingerprint(ip, lesson_ranks):
+def test_12_tagged_broadcast_accepts_a_broadcast_tag(ip, lesson_ranks):
     from tests.checker_harness import check
 
-    assert set(check(ip, LESSON, 2, CHECKED_RIGHT_OTHERWISE, 2).values()) == {"pass"}
+    assert set(check(ip, LESSON, 2, TAGGED_RIGHT_OTHERWISE, 2).values()) == {"pass"}
+    assert set(check(ip, LESSON, 2, TAGGED_TWO_RANKS, 2).values()) == {"pass"}  # right on 2 ranks
 
 
 def test_12_run_all_checks_the_learners_answers(ip, lesson_ranks):
     full_buffers = UNJOINED_WRONG["entries that left a full buffer counted as never recorded"]
-    wrong = {1: full_buffers, 2: CHECKED_WRONG["a local check only"]}
+    wrong = {1: full_buffers, 2: TAGGED_WRONG["no check at all"]}
     assert_run_all(ip, LESSON, wrong, 2)
