@@ -1,14 +1,18 @@
-"""What an exercise's answer sent: the ``torch.distributed`` calls it made, for the checkers of lessons 00-04.
+"""What an exercise's answer sent: the ``torch.distributed`` calls it made, for lessons 00-04 and 11-13.
 
     with watching() as calls:
         answer(...)
     calls.names()      # ["all_reduce"]
     calls[0].numel     # elements of the tensor it passed
     calls[0].group_size
+    calls.numel("all_reduce")   # elements this rank put into all its all_reduce calls
 
 ``watching`` replaces every collective and point-to-point function in both ``torch.distributed`` and
 ``torch.distributed.distributed_c10d`` (torch calls itself through the second: ``all_gather_object`` calls
-``all_gather`` there) by one that records the call, then runs the real one. Calls made inside another
+``all_gather`` there) by one that records the call, then runs the real one. A call's ``numel`` is what this
+rank puts in: a tensor's elements, the sum over a list of tensors (``all_gather_coalesced``,
+``all_reduce_coalesced``), an object's pickled bytes / 4 (``all_gather_object``), so no argument form
+passes a big message as a small one. Calls made inside another
 recorded call are not recorded again, so a learner's ``all_gather_object`` counts once. ``paused()`` stops the
 recording for a helper the lesson gave (lesson 04's ``pass_right``), whose own calls are counted by the
 checker as steps instead.
@@ -29,6 +33,7 @@ COLLECTIVES = (
     "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_object",
     "gather", "gather_object", "scatter", "scatter_object_list", "broadcast_object_list", "reduce_scatter",
     "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "monitored_barrier",
+    "all_gather_single", "reduce_scatter_single", "all_reduce_coalesced", "all_gather_coalesced",
 )
 POINT_TO_POINT = ("send", "recv", "isend", "irecv", "batch_isend_irecv", "send_object_list",
                   "recv_object_list")
@@ -57,10 +62,17 @@ class Calls(list):
     def point_to_point(self) -> list[Call]:
         return [call for call in self if not call.collective]
 
+    def numel(self, *names: str) -> int:
+        """Elements this rank contributed to the calls named (all calls when none is named)."""
+        return sum(call.numel for call in self if not names or call.name in names)
+
 
 INPUT_AT = {  # where a collective takes what this rank contributes, when that is not its first tensor
     "all_gather": (1, "tensor"),
     "all_gather_into_tensor": (1, "input_tensor"),
+    "all_gather_single": (1, "input_tensor"),
+    "all_gather_coalesced": (1, "input_tensor_list"),
+    "reduce_scatter_single": (1, "input"),
     "reduce_scatter": (1, "input_list"),
     "reduce_scatter_tensor": (1, "input"),
     "all_to_all": (1, "input_tensor_list"),
