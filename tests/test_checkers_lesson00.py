@@ -29,6 +29,25 @@ def everyones(value):
         out[r] = slot
     return out
 """,
+    (1, "two slots, right only on 2 ranks"): """
+def everyones(value):
+    slots = torch.zeros(2, dtype=torch.float64)
+    slots[rank] = value
+    dist.all_reduce(slots)
+    return slots
+""",
+    (2, "counts to 2, right only on 2 ranks"): """
+def all_agree(flag):
+    yes = torch.tensor([1 if flag else 0])
+    dist.all_reduce(yes)
+    return yes.item() == 2
+""",
+    (2, "any rank's flag, not every rank's"): """
+def all_agree(flag):
+    yes = torch.tensor([1 if flag else 0])
+    dist.all_reduce(yes, op=dist.ReduceOp.MAX)
+    return bool(yes.item())
+""",
     (2, "its own flag only"): """
 def all_agree(flag):
     return flag
@@ -42,17 +61,32 @@ def all_agree(flag):
 }
 
 RIGHT = {
-    1: """
+    (1, "one-hot rows"): """
 def everyones(value):
     one_hot = torch.eye(world_size, dtype=torch.float64)[rank] * value
     dist.all_reduce(one_hot)
     return one_hot
 """,
-    2: """
+    (2, "MIN of the flags"): """
 def all_agree(flag):
     lowest = torch.tensor([int(flag)])
     dist.all_reduce(lowest, op=dist.ReduceOp.MIN)  # any False makes the minimum 0
     return bool(lowest.item())
+""",
+    (2, "a one-element bool tensor"): """
+def all_agree(flag):
+    lowest = torch.tensor([int(flag)])
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
+    return lowest.bool()  # a tensor holding one bool
+""",
+    (2, "a NumPy bool"): """
+import numpy
+
+
+def all_agree(flag):
+    yes = torch.tensor([float(flag)])
+    dist.all_reduce(yes, op=dist.ReduceOp.PRODUCT)
+    return numpy.bool_(yes.item() == 1.0)
 """,
 }
 
@@ -63,7 +97,7 @@ def test_00_checkers_refuse_wrong_methods(ip, cluster, wrong):
 
 
 def test_00_checkers_accept_other_right_answers(ip, cluster):
-    for exercise, right in RIGHT.items():
+    for (exercise, _), right in RIGHT.items():
         assert set(check(ip, "00_start_here", exercise, right, 2).values()) == {"pass"}
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 from ddp_magics.diagrams import Diagram, Trace, draw_step
@@ -126,3 +127,114 @@ def draw_op(op: str, values: list[list], *, root: int = 0, dst: int = 1, reduce_
     ``draw_op("all_reduce", [[1.0], [2.0]])``; for ``send``, rank ``root`` sends to ``dst``.
     """
     return draw_step(simulated_trace(op, values, root=root, dst=dst, reduce_op=reduce_op), 1)
+
+
+# --------------------------------------------------------------------------- an answer on pretend ranks
+class _Stop(Exception):
+    """Raised inside the answer at its all_reduce, on the first pass: its input is all that pass wanted."""
+
+
+def _reduced(tensors, op):
+    import torch
+    import torch.distributed as dist
+
+    stacked = torch.stack(tensors)
+    if op is None or op == dist.ReduceOp.SUM:
+        return stacked.sum(0)
+    if op == dist.ReduceOp.PRODUCT:
+        return stacked.prod(0)
+    if op == dist.ReduceOp.MIN:
+        return stacked.amin(0)
+    if op == dist.ReduceOp.MAX:
+        return stacked.amax(0)
+    for name, combine in (("BAND", "bitwise_and"), ("BOR", "bitwise_or"), ("BXOR", "bitwise_xor")):
+        if op == getattr(dist.ReduceOp, name):
+            return functools.reduce(getattr(torch, combine), tensors)
+    raise ValueError(f"reduce op {op} is not simulated")
+
+
+def on_pretend_ranks(answer, inputs: list, namespace: dict) -> list:
+    """``answer(inputs[r])`` as each rank ``r`` of a pretend world of ``len(inputs)`` ranks, all in this one
+    process, for an answer whose only communication is one ``dist.all_reduce``; the list of its results.
+
+    While it runs, ``rank`` and ``world_size`` in ``namespace`` (the cell's globals) and ``dist.get_rank``,
+    ``dist.get_world_size`` say which pretend rank it is, and ``dist.all_reduce`` answers with what every
+    pretend rank gave it: a first pass collects each rank's input to the call (and stops the answer there), a
+    second gives each rank the reduced tensor and lets the answer finish. So a checker tries world sizes the
+    cluster does not have. Raises ``ValueError`` if the answer made no all_reduce or more than one; whatever
+    the answer raises goes up.
+    """
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    world = len(inputs)
+    names = ("all_reduce", "get_rank", "get_world_size")
+    saved_functions = {name: (getattr(dist, name), getattr(c10d, name)) for name in names}
+    saved_names = {name: namespace[name] for name in ("rank", "world_size") if name in namespace}
+    contributions, result, me = [], None, [0]
+    state = {"pass": 1, "calls": 0}
+
+    def all_reduce(tensor, op=None, group=None, async_op=False):
+        state["calls"] += 1
+        if state["calls"] > 1:
+            raise ValueError("more than one all_reduce")
+        if state["pass"] == 1:
+            contributions.append(tensor.detach().clone())
+            state["op"] = op
+            raise _Stop
+        tensor.copy_(result)
+        return _Done() if async_op else None
+
+    def install(r):
+        me[0] = r
+        namespace["rank"], namespace["world_size"] = r, world
+        for module in (dist, c10d):
+            module.all_reduce = all_reduce
+            module.get_rank = lambda group=None: me[0]
+            module.get_world_size = lambda group=None: world
+
+    try:
+        for r in range(world):
+            install(r)
+            state["calls"] = 0
+            with contextlib.suppress(_Stop):
+                answer(inputs[r])
+            if state["calls"] == 0:
+                raise ValueError("no all_reduce")
+        if len({tuple(c.shape) for c in contributions}) != 1:
+            raise ValueError("the ranks' all_reduce tensors differ in shape")
+        result = _reduced(contributions, state.get("op"))
+        state["pass"] = 2
+        results = []
+        for r in range(world):
+            install(r)
+            state["calls"] = 0
+            results.append(answer(inputs[r]))
+        return results
+    finally:
+        for name, (public, inner) in saved_functions.items():
+            setattr(dist, name, public)
+            setattr(c10d, name, inner)
+        namespace.update(saved_names)
+
+
+class _Done:
+    def wait(self, *args, **kwargs):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+def pretend_problem(answer, trials, namespace: dict) -> str | None:
+    """What goes wrong when ``answer`` runs as every rank of the pretend worlds in ``trials`` (see
+    ``on_pretend_ranks``), or None. ``trials`` holds pairs ``(inputs, judge)``: ``judge(inputs, results)``
+    returns None when the results are right, else what is wrong with them."""
+    for inputs, judge in trials:
+        try:
+            got = on_pretend_ranks(answer, inputs, namespace)
+        except Exception as error:
+            return f"as {len(inputs)} pretend ranks it raised {type(error).__name__}: {error}"
+        if problem := judge(inputs, got):
+            return f"as {len(inputs)} pretend ranks: {problem}"
+    return None
