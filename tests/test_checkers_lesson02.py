@@ -72,6 +72,33 @@ def pipeline(batches, stage):
         outputs.append(x)
     return outputs if rank == world_size - 1 else None
 """
+PIPELINE_STORE_AND_FORWARD = """
+def pipeline(batches, stage):
+    held = [slot.clone() for slot in batches]
+    if rank > 0:
+        for x in held:
+            dist.recv(x, src=rank - 1)  # every batch first, one message each: all m held at once
+    out = [stage(x) for x in held]
+    if rank < world_size - 1:
+        for y in out:
+            dist.send(y, dst=rank + 1)
+        return None
+    return out
+"""
+PIPELINE_PAST_DIST = """
+def pipeline(batches, stage):
+    outputs = []
+    for slot in batches:
+        x = slot.clone()
+        if rank > 0:
+            dist.group.WORLD.recv([x], rank - 1, 0).wait()  # the ProcessGroup's own methods: nothing recorded
+        y = stage(x)
+        if rank < world_size - 1:
+            dist.group.WORLD.send([y], rank + 1, 0).wait()
+        else:
+            outputs.append(y)
+    return outputs if rank == world_size - 1 else None
+"""
 PIPELINE_NONBLOCKING = """
 def pipeline(batches, stage):
     last, outputs, pending = world_size - 1, [], []
@@ -99,6 +126,8 @@ def test_02_checkers_refuse_wrong_methods_and_accept_other_right_answers(ip):
             assert_checker(ip, "02_point_to_point", exercise, P2P_WRONG[exercise], 3)
         assert set(check(ip, "02_point_to_point", 2, EXCHANGE_NONBLOCKING, 3).values()) == {"fail"}
         assert set(check(ip, "02_point_to_point", 3, PIPELINE_BY_BROADCAST, 3).values()) == {"fail"}
+        assert set(check(ip, "02_point_to_point", 3, PIPELINE_STORE_AND_FORWARD, 3).values()) == {"fail"}
+        assert set(check(ip, "02_point_to_point", 3, PIPELINE_PAST_DIST, 3).values()) == {"fail"}
         assert set(check(ip, "02_point_to_point", 2, EXCHANGE_OTHER_ORDER, 3).values()) == {"pass"}
         assert set(check(ip, "02_point_to_point", 3, PIPELINE_NONBLOCKING, 3).values()) == {"pass"}
 
