@@ -6,7 +6,7 @@ from __future__ import annotations
 from tests.checker_harness import assert_run_all, check, reference_answer
 from tests.conftest import running_cluster
 
-# lesson 03: one small collective for mean and std, all-gather from broadcasts only, argmax in two numbers
+# lesson 03: one small collective for mean and std, an all-gather of uneven lengths, argmax in two numbers
 
 LESSON_03_WRONG = {
     (1, "two all_reduce calls"): """
@@ -29,18 +29,55 @@ def global_mean_std(x):
     both = torch.cat(everything)
     return both.mean().item(), both.std(correction=0).item()
 """,
-    (2, "built-in all_gather"): """
-def all_gather_by_broadcast(tensor_list, tensor):
-    dist.all_gather(tensor_list, tensor)
+    (1, "one all_gather of the three numbers"): """
+def global_mean_std(x):
+    mine = torch.stack([x.sum(), (x * x).sum(), torch.tensor(float(x.numel()), dtype=x.dtype)])
+    stats = [torch.zeros_like(mine) for _ in range(world_size)]
+    dist.all_gather(stats, mine)  # three numbers sent, but 3 * world_size received
+    total, total_sq, count = torch.stack(stats).sum(0).tolist()
+    mean = total / count
+    return mean, (total_sq / count - mean * mean) ** 0.5
+""",
+    (1, "all_reduce past torch.distributed's functions"): """
+def global_mean_std(x):
+    stats = torch.stack([x.sum(), (x * x).sum(), torch.tensor(float(x.numel()), dtype=x.dtype)])
+    dist.all_reduce(torch.zeros(1, dtype=x.dtype))  # the one call the checker sees ...
+    dist.group.WORLD.allreduce([stats]).wait()  # ... and the ProcessGroup's own method, unseen by it
+    total, total_sq, count = stats.tolist()
+    mean = total / count
+    return mean, (total_sq / count - mean * mean) ** 0.5
+""",
+    (2, "objects gathered"): """
+def all_gather_uneven(x):
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, x)  # pickled: not a tensor collective
+    return everyone
+""",
+    (2, "padded to a fixed size"): """
+def all_gather_uneven(x):
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
+    dist.all_gather(lengths, torch.tensor([x.numel()]))
+    padded = torch.zeros(64, dtype=x.dtype)  # a guess far above the longest tensor
+    padded[: x.numel()] = x
+    slots = [torch.zeros_like(padded) for _ in range(world_size)]
+    dist.all_gather(slots, padded)
+    return [slot[: int(n)] for slot, n in zip(slots, lengths)]
+""",
+    (2, "its own tensor everywhere"): """
+def all_gather_uneven(x):
+    return [x.clone() for _ in range(world_size)]  # no communication
 """,
     (2, "send and recv"): """
-def all_gather_by_broadcast(tensor_list, tensor):
-    tensor_list[rank].copy_(tensor)
-    for other in range(world_size):
-        if other != rank:
-            requests = [dist.isend(tensor, dst=other), dist.irecv(tensor_list[other], src=other)]
-            for req in requests:
-                req.wait()
+def all_gather_uneven(x):
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
+    dist.all_gather(lengths, torch.tensor([x.numel()]))
+    got = [torch.zeros(int(n), dtype=x.dtype) for n in lengths]
+    got[rank] = x.clone()
+    requests = [dist.isend(x, dst=other) for other in range(world_size) if other != rank]
+    requests += [dist.irecv(got[other], src=other) for other in range(world_size) if other != rank]
+    for req in requests:
+        req.wait()
+    return got
 """,
     (3, "the largest owner on ties"): """
 def global_argmax(x):
@@ -70,11 +107,16 @@ def global_mean_std(x):
     return total / n, (squares / n - (total / n) ** 2) ** 0.5
 """,
     2: """
-def all_gather_by_broadcast(tensor_list, tensor):
-    for src, slot in enumerate(tensor_list):
-        if src == rank:
-            slot.copy_(tensor)
-        dist.broadcast(slot, src=src, async_op=True).wait()  # asynchronous, waited at once
+def all_gather_uneven(x):
+    lengths = torch.zeros(world_size, dtype=torch.int64)
+    lengths[rank] = x.numel()
+    dist.all_reduce(lengths)  # every length, by a sum of one-hot rows
+    got = []
+    for src, n in enumerate(lengths.tolist()):
+        slot = x.clone() if src == rank else torch.empty(n, dtype=x.dtype)
+        dist.broadcast(slot, src=src)  # each rank's tensor in turn, from its owner
+        got.append(slot)
+    return got
 """,
     3: """
 def global_argmax(x):
