@@ -23,8 +23,8 @@ own (``_c10d_functional::all_reduce``, ``all_gather_into_tensor``, ``reduce_scat
 ``all_to_all_single``, ``broadcast``, and ``_c10d_functional_autograd::all_to_all_single``). A
 ``TorchDispatchMode`` sees every one of these ops, as ``torch.distributed.tensor.debug.CommDebugMode`` does;
 this one records each with its sizes. An op run inside another (a functional op's own process-group call)
-is not seen twice: a mode is off while it handles an op. A tensor subclass (a DTensor) is let through to
-its own dispatch first, so the collectives it makes to redistribute itself are recorded as plain ops.
+is not seen twice: a mode is off while it handles an op. A DTensor is let through to its own dispatch first
+(as ``CommDebugMode`` does), so the collectives it makes to redistribute itself are recorded as plain ops.
 
 ``numel`` is what this rank contributes: the input of a gather, a scatter or an all-to-all, the tensor(s)
 reduced, broadcast, sent or received otherwise; ``out_numel`` the output buffer where it differs (a
@@ -38,6 +38,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd", "c10d_functional")
@@ -163,8 +165,10 @@ class _Watch(TorchDispatchMode):
         kwargs = kwargs or {}
         if isinstance(func, torch._ops.HigherOrderOperator):
             return func(*args, **kwargs)
-        if any(kind is not torch.Tensor for kind in types):
-            return NotImplemented  # a subclass (DTensor) runs first; its own ops come back here
+        if any(issubclass(kind, DTensor) for kind in types):
+            return NotImplemented  # a DTensor runs first; the collectives it makes come back here
+        if any(issubclass(kind, FakeTensor) for kind in types):
+            return func(*args, **kwargs)  # DTensor's sharding propagation, on no data: no communication
         op = _record(func, args, kwargs)
         if op is not None:
             self.ops.append(op)
