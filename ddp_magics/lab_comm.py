@@ -40,6 +40,7 @@ class ClusterChannel:
         self._cell = ""  # the running cell's code, to read a rank's line from its stack
         self._asked_at = 0.0
         self._running_where: dict[int, dict] = {}
+        self._memory: dict = {}  # rank -> its memory when last read
 
     # ------------------------------------------------------------------ the comm
     def open(self) -> None:
@@ -164,7 +165,9 @@ class ClusterChannel:
                 state, doing = "running", "running"
             else:
                 state, doing = "idle", ""
-            found = memory.get(info.rank)
+            if memory:
+                self._memory[info.rank] = memory.get(info.rank)
+            found = self._memory.get(info.rank)  # while a cell runs: as it was before it
             rows.append(
                 {
                     "rank": info.rank,

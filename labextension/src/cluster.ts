@@ -193,28 +193,33 @@ export class ClusterPanel extends Widget {
       return;
     }
     const head = this._table.createTHead().insertRow();
-    for (const name of ['rank', 'host', 'pid', 'state', 'doing', 'unique', 'pss']) {
+    for (const name of ['rank', 'host', 'pid', 'state', 'unique', 'pss']) {
       const cell = document.createElement('th');
       cell.textContent = name;
       head.appendChild(cell);
     }
-    const body = this._table.createTBody();
     for (const row of state.ranks) {
+      // One body per rank: its numbers on a line, what it runs or waits in on the next.
+      const body = this._table.createTBody();
+      body.className = `ddp-mod-${row.state}`;
+      body.dataset.rank = String(row.rank);
       const tr = body.insertRow();
-      tr.className = `ddp-mod-${row.state}`;
-      tr.dataset.rank = String(row.rank);
-      const doing =
-        row.line !== null && row.code ? `${row.doing} — line ${row.line}: ${row.code}` : row.doing;
       for (const text of [
         String(row.rank),
         row.host,
         String(row.pid),
         row.state,
-        doing,
         bytes(row.unique),
         bytes(row.pss)
       ]) {
         tr.insertCell().textContent = text;
+      }
+      if (row.doing) {
+        const doing = body.insertRow().insertCell();
+        doing.colSpan = 6;
+        doing.className = 'ddp-ClusterPanel-doing';
+        doing.textContent =
+          row.line !== null && row.code ? `${row.doing} — line ${row.line}: ${row.code}` : row.doing;
       }
     }
   }
