@@ -59,6 +59,28 @@ ROTATING_WRONG = {
     "the file synced, the directory not": ROTATING.replace("SAVE", DURABLE)
     .replace("    sync_directory(os.path.dirname(final))\n", "")
     .replace("LATEST", BY_STEP),
+    "the directory synced before the rename, not after": ROTATING.replace(
+        "SAVE",
+        'torch.save(state, final + ".tmp"); fd = os.open(final + ".tmp", os.O_RDONLY); os.fsync(fd); '
+        'os.close(fd); sync_directory(folder); os.replace(final + ".tmp", final)',
+    ).replace("LATEST", BY_STEP),
+    "the file synced after the rename, not before": ROTATING.replace(
+        "SAVE",
+        'torch.save(state, final + ".tmp"); os.replace(final + ".tmp", final); '
+        "fd = os.open(final, os.O_RDONLY); os.fsync(fd); os.close(fd); sync_directory(folder)",
+    ).replace("LATEST", BY_STEP),
+    "the wrong directory synced (the parent)": ROTATING.replace("SAVE", DURABLE)
+    .replace(
+        "sync_directory(os.path.dirname(final))", "sync_directory(os.path.dirname(os.path.dirname(final)))"
+    )
+    .replace("LATEST", BY_STEP),
+    "rank 1 writes a marker file of its own": ROTATING.replace("SAVE", DURABLE)
+    .replace(
+        "    dist.barrier()\n",
+        '    else:\n        mine = os.path.join(folder, "rank1.tmp")\n'
+        '        open(mine, "w").write("x")\n        os.remove(mine)\n    dist.barrier()\n',
+    )
+    .replace("LATEST", BY_STEP),
     "every checkpoint kept": ROTATING.replace("SAVE", DURABLE).replace("[:-keep]", "[:0]").replace(
         "LATEST", BY_STEP
     ),
@@ -76,6 +98,17 @@ ROTATING_RIGHT_OTHER = {
         'os.close(fd); os.replace(final + ".part", final); sync_directory(folder)',
     ).replace("LATEST", BY_STEP),
     "a file object, the lesson's way": ROTATING.replace("SAVE", DURABLE).replace("LATEST", BY_STEP),
+    "fsync, replace and save imported by name, bytes written by hand": "from os import fsync, replace\n"
+    + "from torch import save\n"
+    + ROTATING.replace(
+        "SAVE",
+        'buffer = io.BytesIO(); save(state, buffer); f = open(final + ".new", "wb"); '
+        'f.write(buffer.getvalue()); f.flush(); fsync(f.fileno()); f.close(); '
+        'replace(final + ".new", final); '
+        "sync_directory(folder)",
+    )
+    .replace("import re\n", "import re\nimport io\n", 1)
+    .replace("LATEST", BY_STEP),
 }
 RNG_WRONG = {
     "rank 0's state only, loaded by every rank": """
