@@ -3,8 +3,10 @@
 On a real gloo cluster of 3 ranks (the lesson's exercises run on the three ranks left after its torchft
 section), with the lesson's training job defined on every rank, the lesson's own checker cell runs after a
 wrong solution (every rank must print ``not yet``), after the lesson's reference solution and after another
-right solution (every rank ``pass``). The checkers judge the method with ``ddp_magics.lessons.watch``: how
-many ``torch.distributed`` calls the answer made, how many numbers each rank sent, and no pickled objects.
+right solution (every rank ``pass``). The checkers judge the method with ``ddp_magics.lessons.c10d_watch``,
+which sees every c10d op however it was called (functional collectives and ``ProcessGroup`` methods too): how
+many collective operations the answer ran and how many numbers each rank put in; and with
+``ddp_magics.lessons.watch``: no pickled objects.
 """
 
 from __future__ import annotations
@@ -88,6 +90,31 @@ def ranks_out_of_sync(model, src):
         every.append(value)
     return [r for r in range(world_size) if not torch.equal(every[r], every[src])]
 """,
+    "the whole state gathered by a functional all-gather (thousands of numbers, past torch.distributed)": """
+import torch.distributed._functional_collectives as funcol
+
+
+def ranks_out_of_sync(model, src):
+    flat = torch.cat([t.detach().reshape(-1).double() for t in model.state_dict().values()])
+    every = funcol.all_gather_tensor(flat, 0, dist.group.WORLD).wait().chunk(world_size)
+    return [r for r in range(world_size) if not torch.equal(every[r], every[src])]
+""",
+    "the whole state gathered by the ProcessGroup's own allgather (thousands of numbers)": """
+def ranks_out_of_sync(model, src):
+    flat = torch.cat([t.detach().reshape(-1).double() for t in model.state_dict().values()])
+    every = [torch.zeros_like(flat) for _ in range(world_size)]
+    dist.group.WORLD.allgather([every], [flat]).wait()
+    return [r for r in range(world_size) if not torch.equal(every[r], every[src])]
+""",
+    "a sample of 15 values at the front of the tensors (blind to the rest)": """
+def ranks_out_of_sync(model, src):
+    state = model.state_dict()
+    sample = torch.cat([state["0.weight"].reshape(-1)[:6], state["1.running_var"][:8],
+                        state["1.num_batches_tracked"].reshape(1).double()]).double()
+    every = [torch.zeros_like(sample) for _ in range(world_size)]
+    dist.all_gather(every, sample)
+    return [r for r in range(world_size) if not torch.equal(every[r], every[src])]
+""",
 }
 
 DRIFT_OTHER_RIGHT = {
@@ -131,56 +158,84 @@ def test_13_drift_accepts_other_right_answers(ip, lesson_ranks, right):
     assert_accepted(ip, 1, DRIFT_OTHER_RIGHT[right])
 
 
-# exercise 2: every rank stops at the first step at which any rank noticed, with one small call a step
+# exercise 2: every rank stops at the first step at which any rank noticed, inside the gradient all-reduce
 
 STOP_WRONG = {
-    "each rank its own notice (the ranks disagree)": """
-def should_stop(noticed):
-    dist.barrier()
+    "the gradient only, each rank its own notice (the ranks disagree)": """
+def should_stop(noticed, grad):
+    dist.all_reduce(grad)
     return noticed
 """,
-    "rank 0 decides (misses the other ranks' notices)": """
-def should_stop(noticed):
+    "the gradient, then the flags' MAX (right value, a second collective every step)": """
+def should_stop(noticed, grad):
+    dist.all_reduce(grad)
     flag = torch.tensor([int(noticed)])
-    dist.broadcast(flag, src=0)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 """,
-    "one broadcast from every rank (right value, too many calls)": """
-def should_stop(noticed):
-    stop = False
-    for r in range(world_size):
-        flag = torch.tensor([int(noticed)])
-        dist.broadcast(flag, src=r)
-        stop = stop or bool(flag.item())
-    return stop
+    "gradient and flag packed, reduced with MAX (the gradient is not summed)": """
+def should_stop(noticed, grad):
+    packed = torch.cat([grad.reshape(-1), torch.tensor([float(noticed)])])
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX)
+    grad.copy_(packed[:-1].view_as(grad))
+    return bool(packed[-1] > 0)
+""",
+    "rank 0's flag packed (misses the other ranks' notices)": """
+def should_stop(noticed, grad):
+    packed = torch.cat([grad.reshape(-1), torch.tensor([float(noticed and rank == 0)])])
+    dist.all_reduce(packed)
+    grad.copy_(packed[:-1].view_as(grad))
+    return bool(packed[-1] > 0)
+""",
+    "a one-hot vector of world_size flags packed (right value, too many numbers)": """
+def should_stop(noticed, grad):
+    flags = torch.zeros(world_size)
+    flags[rank] = float(noticed)
+    packed = torch.cat([grad.reshape(-1), flags])
+    dist.all_reduce(packed)
+    grad.copy_(packed[:grad.numel()].view_as(grad))
+    return bool(packed[grad.numel():].sum() > 0)
+""",
+    "a barrier, then a functional all-reduce of the packed buffer (two operations)": """
+import torch.distributed._functional_collectives as funcol
+
+
+def should_stop(noticed, grad):
+    dist.barrier()
+    packed = torch.cat([grad.reshape(-1), torch.tensor([float(noticed)])])
+    total = funcol.all_reduce(packed, "sum", dist.group.WORLD).wait()
+    grad.copy_(total[:-1].view_as(grad))
+    return bool(total[-1] > 0)
 """,
     "the flags gathered as pickled objects (right value, wrong method)": """
-def should_stop(noticed):
+def should_stop(noticed, grad):
+    dist.all_reduce(grad)
     flags = [None] * world_size
     dist.all_gather_object(flags, noticed)
     return any(flags)
 """,
-    "a one-hot vector of world_size numbers summed (right value, too many numbers)": """
-def should_stop(noticed):
-    flags = torch.zeros(world_size)
-    flags[rank] = float(noticed)
-    dist.all_reduce(flags)
-    return bool(flags.sum() > 0)
-""",
 }
 
 STOP_OTHER_RIGHT = {
-    "a SUM of the flags, positive": """
-def should_stop(noticed):
-    count = torch.tensor([float(noticed)])
-    dist.all_reduce(count)
-    return count.item() > 0
+    "the flag packed first, summed by a functional all-reduce": """
+import torch.distributed._functional_collectives as funcol
+
+
+def should_stop(noticed, grad):
+    packed = torch.cat([torch.tensor([float(noticed)]), grad.reshape(-1)])
+    total = funcol.all_reduce(packed, "sum", dist.group.WORLD).wait()
+    grad.copy_(total[1:].view_as(grad))
+    return total[0].item() > 0.5
 """,
-    "the flags gathered into one tensor": """
-def should_stop(noticed):
-    every = torch.zeros(world_size, dtype=torch.uint8)
-    dist.all_gather_into_tensor(every, torch.tensor([noticed], dtype=torch.uint8))
-    return bool(every.any())
+    "gradient and flag gathered into one tensor, summed on each rank": """
+def should_stop(noticed, grad):
+    packed = torch.cat([grad.reshape(-1), torch.tensor([float(noticed)])])
+    every = torch.zeros(world_size * packed.numel())
+    dist.all_gather_into_tensor(every, packed)
+    every = every.view(world_size, -1)
+    total = every.sum(0)
+    grad.copy_(total[:-1].view_as(grad))
+    return bool(every[:, -1].any())
 """,
 }
 
@@ -198,6 +253,6 @@ def test_13_stop_accepts_other_right_answers(ip, lesson_ranks, right):
 def test_13_run_all_checks_the_learners_answers(ip, lesson_ranks):
     wrong = {
         1: DRIFT_WRONG["parameters only (blind to the buffers)"],
-        2: STOP_WRONG["rank 0 decides (misses the other ranks' notices)"],
+        2: STOP_WRONG["the gradient only, each rank its own notice (the ranks disagree)"],
     }
     assert_run_all(ip, LESSON, wrong, WORLD)
