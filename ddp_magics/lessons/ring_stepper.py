@@ -244,8 +244,9 @@ def draw_ring_steps(inputs: list[list[float]]):
 
     A panel is a grid, a row per rank and a column per chunk; a square's shade is how many ranks' inputs its
     chunk holds (white: one, dark: all), its number the chunk's first value, and a thick frame marks the chunk
-    that arrived at that step (green in the reduce-scatter, blue in the all-gather), with the sender's rank
-    beside it. Deterministic: the same inputs draw the same picture.
+    that arrived at that step (green in the reduce-scatter, blue in the all-gather), with an arrow from the
+    sender's square to it (the last rank's arrow to rank 0 curves back up the panel). Deterministic: the same
+    inputs draw the same picture.
     """
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
@@ -267,6 +268,11 @@ def draw_ring_steps(inputs: list[list[float]]):
                 if (rank, chunk) in arrived:
                     ax.add_patch(Rectangle((chunk + 0.05, rank + 0.05), 0.9, 0.9, fill=False, linewidth=2.2,
                                            edgecolor=frames[state.phase]))
+                    src = arrived[rank, chunk]
+                    bend = 0.25 if abs(rank - src) == 1 else -0.5  # around the ring: the wrap curves back up
+                    ax.annotate("", xy=(chunk + 0.88, rank + 0.3), xytext=(chunk + 0.88, src + 0.7),
+                                arrowprops=dict(arrowstyle="-|>", color=frames[state.phase], linewidth=1.1,
+                                                mutation_scale=7, connectionstyle=f"arc3,rad={bend}"))
         ax.set_xlim(0, n)
         ax.set_ylim(n, 0)
         ax.set_aspect("equal")
@@ -277,8 +283,8 @@ def draw_ring_steps(inputs: list[list[float]]):
         name = "start" if state.phase == START else f"{short} {state.number}"
         ax.set_title(name, fontsize=9, color=frames.get(state.phase, "black"))
     figure.suptitle(
-        "ring all-reduce, step by step: rows are ranks, columns chunks; darker = more ranks' inputs summed; "
-        "framed = arrived this step (RS: reduce-scatter, adds; AG: all-gather, keeps)",
+        "ring all-reduce, step by step: rows are ranks, columns chunks; darker = more ranks' inputs summed\n"
+        "framed = arrived this step, arrow from its sender (RS: reduce-scatter, adds; AG: all-gather, keeps)",
         fontsize=8,
     )
     figure.tight_layout()
