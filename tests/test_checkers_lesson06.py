@@ -6,8 +6,33 @@ from __future__ import annotations
 import pytest
 
 from tests.checker_harness import assert_checker, assert_run_all, lesson_cell, on_ranks
+from tests.conftest import running_cluster
 
 # lesson 06: the loss for uneven shards under DDP; a comm hook of your own that halves the traffic
+
+WORLD_SIZE_WRITTEN_AS_TWO = {  # right on the lesson's 2 ranks, wrong on 4
+    1: """
+def shard_loss(output, target):
+    count = torch.tensor(float(target.numel()), device=target.device)
+    dist.all_reduce(count)
+    return F.mse_loss(output, target, reduction="sum") * 2 / count
+""",
+    2: """
+def half_traffic_hook(state, bucket):
+    grads = bucket.buffer()
+    small = (grads / 2).to(torch.float16)
+    work = dist.all_reduce(small, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0].to(grads.dtype))
+""",
+}
+
+
+def test_06_checkers_at_four_ranks_refuse_a_world_size_written_in(ip):
+    """Runs first, before the module's 2-rank cluster starts: the checkers at another world size."""
+    with running_cluster(ip, 4):
+        on_ranks(ip, lesson_cell("06_ddp", "def wrap("))  # make_data, make_model, wrap, the shards X, y
+        for exercise, wrong in WORLD_SIZE_WRITTEN_AS_TWO.items():
+            assert_checker(ip, "06_ddp", exercise, wrong, 4)
 
 SHARD_LOSS_WRONG = {
     "each rank's plain mean": """
@@ -97,6 +122,19 @@ def half_traffic_hook(state, bucket):
     everyone = [torch.empty_like(grads) for _ in range(world_size)]
     dist.all_gather(everyone, grads)  # the real traffic, float32
     grads.copy_(torch.stack(everyone).mean(0))
+    fut = torch.futures.Future()
+    fut.set_result(grads)
+    return fut
+""",
+    "a token float16 all_reduce, the bucket sent whole point to point": """
+def half_traffic_hook(state, bucket):
+    grads = bucket.buffer()
+    dist.all_reduce(torch.zeros(1, dtype=torch.float16))  # a collective for the record
+    theirs = torch.empty_like(grads)
+    ops = [dist.P2POp(dist.isend, grads, 1 - rank), dist.P2POp(dist.irecv, theirs, 1 - rank)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    grads.add_(theirs).div_(world_size)
     fut = torch.futures.Future()
     fut.set_result(grads)
     return fut
