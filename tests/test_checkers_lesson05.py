@@ -6,8 +6,29 @@ from __future__ import annotations
 import pytest
 
 from tests.checker_harness import assert_checker, assert_run_all, lesson_cell, on_ranks
+from tests.conftest import running_cluster
 
-# lesson 05: one all_reduce of every gradient at once; a weighted average through all_reduce
+# lesson 05: one all_reduce of every gradient at once; a weighted average of uneven shards' gradients
+
+FLAT_WORLD_SIZE_WRITTEN_AS_TWO = """
+def average_gradients_flat(model):
+    flat = torch.cat([p.grad.flatten() for p in model.parameters()])
+    dist.all_reduce(flat)
+    flat /= 2  # right only on 2 ranks
+    offset = 0
+    for p in model.parameters():
+        p.grad.copy_(flat[offset:offset + p.grad.numel()].view_as(p.grad))
+        offset += p.grad.numel()
+"""
+
+
+def test_05_checkers_at_four_ranks(ip):
+    """Runs first, before the module's 2-rank cluster starts: a world size written in as 2 is refused on 4
+    ranks, and both references pass there."""
+    with running_cluster(ip, 4):
+        lesson05_setup(ip)
+        assert_checker(ip, "05_distributed_sgd", 1, FLAT_WORLD_SIZE_WRITTEN_AS_TWO, 4)
+        assert_checker(ip, "05_distributed_sgd", 2, WEIGHTED_WRONG["total written in by hand"], 4)
 
 WEIGHTED_WRONG = {
     "no communication": """
@@ -24,6 +45,23 @@ def average_gradients_weighted(model, n_local):
         p.grad *= n_local
         dist.all_reduce(p.grad)
         p.grad /= 15  # right only for the 15 samples of the exercise text
+""",
+    "a token all_reduce of every value, the gradients sent point to point": """
+def average_gradients_weighted(model, n_local):
+    total = torch.tensor([float(n_local)])
+    dist.all_reduce(total)
+    grads = [p.grad for p in model.parameters()]
+    dist.all_reduce(torch.zeros(sum(g.numel() for g in grads)))  # as many values as the gradients, all zeros
+    for g in grads:
+        g *= n_local
+        for other in range(world_size):
+            if other != rank:
+                theirs = torch.empty_like(g)
+                ops = [dist.P2POp(dist.isend, g.clone(), other), dist.P2POp(dist.irecv, theirs, other)]
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
+                g += theirs
+        g /= total
 """,
 }
 
@@ -49,6 +87,26 @@ def average_gradients_flat(model):
     F.mse_loss(full(X_all.to(device)), y_all.to(device)).backward()
     for p, q in zip(model.parameters(), full.parameters()):
         p.grad.copy_(q.grad)
+""",
+    "one all_reduce of zeros, the gradients sent point to point": """
+def average_gradients_flat(model):
+    grads = [p.grad for p in model.parameters()]
+    dist.all_reduce(torch.zeros(sum(g.numel() for g in grads)))  # the right size, nothing in it
+    for g in grads:
+        theirs = torch.empty_like(g)
+        ops = [dist.P2POp(dist.isend, g.clone(), 1 - rank), dist.P2POp(dist.irecv, theirs, 1 - rank)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        g.add_(theirs).div_(world_size)
+""",
+    "from-imported all_reduce, once per parameter": """
+from torch.distributed import all_reduce
+
+
+def average_gradients_flat(model):
+    for p in model.parameters():
+        all_reduce(p.grad)
+        p.grad /= world_size
 """,
     "all_gather of every rank's gradients, averaged locally": """
 def average_gradients_flat(model):
