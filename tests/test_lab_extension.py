@@ -223,3 +223,18 @@ def test_toolbar_ranks_restart_and_survive_reopening(lab, open_notebook, browser
     expect(again.page.locator(".ddp-ClusterStatus")).to_have_text("ddp: gloo · 3 ranks · idle")
     again.run_and_wait(1)
     assert not again.console_errors
+
+
+def test_past_eight_groups_a_selector(lab, open_notebook):
+    own = "%%distributed\nprint(f'rank {rank} of {world_size}')"
+    cells = [START.replace("-n 2", "-n 10"), own, "%dist_stop"]
+    notebook = open_notebook(lab.add_notebook("ten.ipynb", cells))
+    notebook.run_and_wait(0)
+    notebook.run_and_wait(1)
+    select = notebook.cell(1).locator("select.ddp-RankView-select")
+    expect(select.locator("option")).to_have_count(10)
+    expect(tabs(notebook, 1)).to_have_count(0)
+    select.select_option(label="rank 7")
+    expect(notebook.cell(1).locator(".ddp-RankView-panel")).to_have_text("rank 7 of 10")
+    notebook.run_and_wait(2)
+    assert not notebook.console_errors
