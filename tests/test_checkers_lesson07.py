@@ -11,10 +11,11 @@ from tests.checker_harness import assert_checker, assert_run_all, lesson_cell, o
 
 COUNTS_WRONG = {
     "pads with indices[: total - n] (wrong when the padding exceeds n)": """
-def reads_per_sample(n, world_size, drop_last):
+def reads_per_sample(n, world_size, drop_last, shuffle, seed, epoch):
     per_rank = n // world_size if drop_last else -(-n // world_size)
     total = per_rank * world_size
-    indices = list(range(n))
+    indices = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist() if shuffle \\
+        else list(range(n))
     if total <= n:
         indices = indices[:total]
     else:
@@ -25,27 +26,50 @@ def reads_per_sample(n, world_size, drop_last):
 from torch.utils.data import DistributedSampler, TensorDataset
 
 
-def reads_per_sample(n, world_size, drop_last):
+def reads_per_sample(n, world_size, drop_last, shuffle, seed, epoch):
     counts = [0] * n
     for r in range(world_size):
-        for i in DistributedSampler(TensorDataset(torch.arange(n)), num_replicas=world_size, rank=r,
-                                    shuffle=False, drop_last=drop_last):
+        sampler = DistributedSampler(TensorDataset(torch.arange(n)), num_replicas=world_size, rank=r,
+                                     shuffle=shuffle, seed=seed, drop_last=drop_last)
+        sampler.set_epoch(epoch)
+        for i in sampler:
             counts[i] += 1
     return counts
 """,
     "ignores drop_last": """
-def reads_per_sample(n, world_size, drop_last):
+def reads_per_sample(n, world_size, drop_last, shuffle, seed, epoch):
     total = -(-n // world_size) * world_size
     return [total // n + (i < total % n) for i in range(n)]
+""",
+    "ignores the shuffle: pads and drops from the unshuffled list": """
+def reads_per_sample(n, world_size, drop_last, shuffle, seed, epoch):
+    per_rank = n // world_size if drop_last else -(-n // world_size)
+    total = per_rank * world_size
+    full, rest = divmod(total, n)
+    return [full + (i < rest) for i in range(n)]
+""",
+    "the epoch left out of the seed": """
+def reads_per_sample(n, world_size, drop_last, shuffle, seed, epoch):
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.randperm(n, generator=gen).tolist() if shuffle else list(range(n))
+    total = (n // world_size if drop_last else -(-n // world_size)) * world_size
+    dealt = (order * (total // n + 1))[:total]
+    return [dealt.count(i) for i in range(n)]
 """,
 }
 
 COUNTS_RIGHT_OTHER = """
-def reads_per_sample(n, world_size, drop_last):
+def reads_per_sample(n, world_size, drop_last, shuffle, seed, epoch):
     import math
     total = (n // world_size if drop_last else math.ceil(n / world_size)) * world_size
-    padded = (list(range(n)) * (total // n + 1))[:total]  # the list repeated as often as needed, then cut
-    return [padded.count(i) for i in range(n)]
+    if not shuffle:
+        return [total // n + (i < total % n) for i in range(n)]
+    gen = torch.Generator()
+    gen.manual_seed(seed + epoch)
+    order = torch.randperm(n, generator=gen)
+    counts = torch.full((n,), total // n)
+    counts[order[: total % n]] += 1  # the first total % n of the permutation are read once more
+    return counts.tolist()
 """
 
 
@@ -60,72 +84,71 @@ def test_07_reads_per_sample_accepts_another_right_answer(ip, cluster):
     assert "exercise 1: pass" in text and "not yet" not in text, text
 
 
-SHARDS_WRONG = {
-    "every reader opens every file, keeps every R-th record": """
+SHARDS_HEAD = """
 import itertools
+import heapq
+from types import SimpleNamespace
 
 from torch.utils.data import IterableDataset, get_worker_info
 
 
 class FileShards(IterableDataset):
-    def __init__(self, files):
-        self.files = files
+    def __init__(self, files, lengths, rank, world_size):
+        self.files, self.lengths, self.rank, self.world_size = files, lengths, rank, world_size
 
     def __iter__(self):
-        info = get_worker_info()
-        workers, worker = (info.num_workers, info.id) if info else (1, 0)
-        readers, reader = dist.get_world_size() * workers, dist.get_rank() * workers + worker
+        me = get_worker_info() or SimpleNamespace(id=0, num_workers=1)
+        readers, reader = self.world_size * me.num_workers, self.rank * me.num_workers + me.id
+"""
+SHARDS_WRONG = {
+    "every R-th file by name, the lesson's striding applied to files": SHARDS_HEAD
+    + """
+        for name in sorted(self.files)[reader::readers]:
+            yield from self.files[name]
+""",
+    "every reader opens every file, keeps every R-th record": SHARDS_HEAD
+    + """
         records = itertools.chain.from_iterable(self.files[name] for name in sorted(self.files))
         return itertools.islice(records, reader, None, readers)
 """,
-    "every file read through items(), only its own yielded": """
-from torch.utils.data import IterableDataset, get_worker_info
-
-
-class FileShards(IterableDataset):
-    def __init__(self, files):
-        self.files = files
-
-    def __iter__(self):
-        info = get_worker_info()
-        workers, worker = (info.num_workers, info.id) if info else (1, 0)
-        readers, reader = dist.get_world_size() * workers, dist.get_rank() * workers + worker
-        for j, (name, records) in enumerate(sorted(self.files.items())):
-            if j % readers == reader:
-                yield from records
+    "balanced, but every file read through items()": SHARDS_HEAD
+    + """
+        loads, owner = [0] * readers, {}
+        for name, records in sorted(self.files.items(), key=lambda item: -len(item[1])):
+            owner[name] = min(range(readers), key=lambda k: (loads[k], k))
+            loads[owner[name]] += len(records)
+        for name in sorted(owner):
+            if owner[name] == reader:
+                yield from self.files[name]
 """,
-    "sharded by rank only: the workers of a rank repeat each other": """
-from torch.utils.data import IterableDataset
-
-
-class FileShards(IterableDataset):
-    def __init__(self, files):
-        self.files = files
-
-    def __iter__(self):
-        for name in sorted(self.files)[dist.get_rank()::dist.get_world_size()]:
+    "balanced over the ranks, the workers of a rank repeat each other": SHARDS_HEAD
+    + """
+        loads, owner = [0] * self.world_size, {}
+        for name in sorted(self.lengths, key=lambda name: -self.lengths[name]):
+            owner[name] = min(range(self.world_size), key=lambda k: (loads[k], k))
+            loads[owner[name]] += self.lengths[name]
+        for name in sorted(owner):
+            if owner[name] == self.rank:
+                yield from self.files[name]
+""",
+    "balanced by the number of files, not of records": SHARDS_HEAD
+    + """
+        by_length = sorted(self.lengths, key=lambda name: -self.lengths[name])
+        for name in by_length[reader::readers]:
             yield from self.files[name]
 """,
 }
 
-SHARDS_RIGHT_OTHER = """
-from torch.utils.data import IterableDataset, get_worker_info
-
-
-class FileShards(IterableDataset):
-    '''Contiguous blocks of files per reader; reads the cell's rank and world_size.'''
-
-    def __init__(self, files):
-        self.files = files
-
-    def __iter__(self):
-        info = get_worker_info()
-        workers = info.num_workers if info else 1
-        reader = rank * workers + (info.id if info else 0)
-        names = sorted(self.files)
-        per, extra = divmod(len(names), world_size * workers)
-        start = reader * per + min(reader, extra)
-        for name in names[start : start + per + (reader < extra)]:
+SHARDS_RIGHT_OTHER = SHARDS_HEAD + """
+        # a heap of (records so far, reader), the ties to the highest reader number; files longest first
+        heap = [(0, -k) for k in range(readers)]
+        mine = []
+        for name in sorted(self.lengths, key=lambda name: (-self.lengths[name], name)):
+            load, negative = heapq.heappop(heap)
+            if -negative == reader:
+                mine.append(name)
+            heapq.heappush(heap, (load + self.lengths[name], negative))
+        for name in mine:
             yield from self.files[name]
 """
 
@@ -142,6 +165,6 @@ def test_07_file_shards_accepts_another_right_answer(ip, cluster):
 
 
 def test_07_run_all_checks_the_learners_answers(ip, cluster):
-    by_rank_only = SHARDS_WRONG["sharded by rank only: the workers of a rank repeat each other"]
+    by_rank_only = SHARDS_WRONG["balanced over the ranks, the workers of a rank repeat each other"]
     wrong = {1: COUNTS_WRONG["ignores drop_last"], 2: by_rank_only}
     assert_run_all(ip, "07_data_loading", wrong, 2)
