@@ -8,6 +8,7 @@ Uses test_browser's server, browser and notebook page. Screenshots of the rank v
 
 from __future__ import annotations
 
+import os
 import re
 import time
 
@@ -18,11 +19,23 @@ from ddp_magics import lab_bundle
 from ddp_magics.cell_run import CellOutcome
 from ddp_magics.cluster.records import RankFailure, RankOutput
 from ddp_magics.output import render
-from tests.test_browser import REPO, START, Lab, Notebook, browser_context, expect, lab, open_notebook
+from tests.test_browser import (
+    REPO,
+    SCREENSHOTS,
+    START,
+    Lab,
+    Notebook,
+    browser_context,
+    expect,
+    lab,
+    open_notebook,
+)
 
 __all__ = ["browser_context", "lab", "open_notebook"]  # fixtures, used by name
 
-DOCS = REPO / "docs"
+# The README's pictures: the tests take them into test-artifacts/browser/, and into docs/ (committed)
+# when UPDATE_DOCS_SCREENSHOTS=1, so a run leaves the working tree as it was.
+DOCS = REPO / "docs" if os.environ.get("UPDATE_DOCS_SCREENSHOTS") == "1" else SCREENSHOTS
 
 
 def tabs(notebook: Notebook, index: int):
