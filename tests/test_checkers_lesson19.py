@@ -66,6 +66,16 @@ def total_grad_norm(model, mesh):
     dist.all_gather_into_tensor(gathered, local)
     return gathered.pow(2).sum().sqrt()
 """,
+    "every rank's shards gathered, all_gather_into_tensor imported from torch.distributed": """
+def total_grad_norm(model, mesh):
+    from torch.distributed import all_gather_into_tensor
+    tp = mesh["tp"].size()
+    local = torch.cat([p.grad.to_local().flatten() / (1 if p.grad.device_mesh.ndim == 2 else tp ** 0.5)
+                       for p in model.parameters()])
+    gathered = torch.empty(world_size * local.numel(), device=device)
+    all_gather_into_tensor(gathered, local)
+    return gathered.pow(2).sum().sqrt()
+""",
     "this rank's shards only": """
 def total_grad_norm(model, mesh):
     return torch.nn.utils.get_total_norm([p.grad.to_local() for p in model.parameters()])
@@ -118,6 +128,12 @@ def accumulate_step(model, optimizer, ids, k):
         model.set_requires_gradient_sync(i == k - 1)
         next_token_loss(model, chunk).backward()
         optimizer.step()
+""",
+    "no micro-batches: one step on the whole batch": """
+def accumulate_step(model, optimizer, ids, k):
+    optimizer.zero_grad()
+    next_token_loss(model, ids).backward()
+    optimizer.step()
 """,
     "the gradients never reduced": """
 def accumulate_step(model, optimizer, ids, k):
