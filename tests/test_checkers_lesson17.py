@@ -55,6 +55,23 @@ def causal_attention_needed_only(q, k, v):
     seen = torch.arange(me * s, (me + 1) * s)[:, None] >= torch.arange(kv.shape[3])[None, :]
     return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=seen)
 """,
+    "the ring of section 3 with isend/irecv imported from torch.distributed (right values)": """
+def causal_attention_needed_only(q, k, v):
+    from torch.distributed import irecv, isend
+    world, me = dist.get_world_size(), dist.get_rank()
+    mine = torch.stack([k, v]).contiguous()
+    blocks, current = {me: mine}, mine
+    for step in range(1, world):
+        arriving = torch.empty_like(mine)
+        requests = [isend(current, (me + 1) % world), irecv(arriving, (me - 1) % world)]
+        for request in requests:
+            request.wait()
+        blocks[(me - step) % world] = current = arriving
+    kv = torch.cat([blocks[r] for r in range(world)], dim=3)
+    s = q.shape[2]
+    seen = torch.arange(me * s, (me + 1) * s)[:, None] >= torch.arange(kv.shape[3])[None, :]
+    return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=seen)
+""",
     "no communication (this rank's own keys only)": """
 def causal_attention_needed_only(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -164,6 +181,19 @@ def ulysses_attention(q, k, v, causal):
     ks, vs = [torch.empty_like(k) for _ in range(world)], [torch.empty_like(v) for _ in range(world)]
     dist.all_gather(ks, k.contiguous())
     dist.all_gather(vs, v.contiguous())
+    k_all, v_all = torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+    s = q.shape[2]
+    start = dist.get_rank() * s
+    allowed = torch.arange(start, start + s)[:, None] >= torch.arange(world * s)[None, :]
+    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=allowed if causal else None)
+""",
+    "keys and values all-gathered by a from-imported all_gather (right values, not all-to-alls)": """
+def ulysses_attention(q, k, v, causal):
+    from torch.distributed import all_gather
+    world = dist.get_world_size()
+    ks, vs = [torch.empty_like(k) for _ in range(world)], [torch.empty_like(v) for _ in range(world)]
+    all_gather(ks, k.contiguous())
+    all_gather(vs, v.contiguous())
     k_all, v_all = torch.cat(ks, dim=2), torch.cat(vs, dim=2)
     s = q.shape[2]
     start = dist.get_rank() * s
