@@ -2,7 +2,7 @@
 
 As in tests/test_checkers.py: on a real gloo cluster of 2 ranks, the lesson's own checker cell runs after a
 wrong solution (every rank must print ``not yet``) and after the lesson's reference solution (every rank
-``pass``). Exercise 1's checker runs a collective (the learner's count exchange) on every rank; exercise 2's
+``pass``). Exercise 1's checker runs the learner's collectives (counts only) on every rank; exercise 2's
 tests a pure function of the experts chosen. Neither needs the lesson's set-up.
 """
 
@@ -15,75 +15,77 @@ from tests.checker_harness import assert_checker, assert_run_all, check
 LESSON = "18_expert_parallel"
 WORLD = 2
 
-# exercise 1: the count exchange for experts dealt round-robin (expert e on rank e % world_size)
+# exercise 1: capacity applied by the receiving expert, over every rank's rows in rank order
 
-EXCHANGE_WRONG = {
-    "experts in contiguous blocks (the lesson's layout), not round-robin": """
-def exchange_counts(expert_ids):
-    destination = expert_ids // 4
-    send = torch.bincount(destination, minlength=world_size)
-    recv = torch.zeros_like(send)
-    dist.all_to_all_single(recv, send)
-    return destination.argsort(stable=True), send.tolist(), recv.tolist()
+POSITION = """
+def position_among_mine(expert_ids):
+    order = expert_ids.argsort(stable=True)
+    sorted_ids = expert_ids[order]
+    position = torch.empty_like(expert_ids)
+    position[order] = torch.arange(len(order)) - torch.searchsorted(sorted_ids, sorted_ids)
+    return position
+"""
+RECEIVER_WRONG = {
+    "each sender's own rows only (section 6's rule, no collective)": POSITION + """
+def kept_by_expert(expert_ids, experts, capacity):
+    return position_among_mine(expert_ids) < capacity
 """,
-    "no exchange: recv_sizes taken to be send_sizes": """
-def exchange_counts(expert_ids):
-    destination = expert_ids % world_size
-    send = torch.bincount(destination, minlength=world_size).tolist()
-    return destination.argsort(stable=True), send, send
+    "the later ranks' rows taken first": POSITION + """
+def kept_by_expert(expert_ids, experts, capacity):
+    mine = torch.bincount(expert_ids, minlength=experts)
+    counts = torch.empty(world_size * experts, dtype=mine.dtype)
+    dist.all_gather_into_tensor(counts, mine)
+    return counts.view(world_size, experts)[rank + 1:].sum(dim=0)[expert_ids] + position_among_mine(expert_ids) < capacity
 """,
-    "rows sorted by expert, not by destination rank": """
-def exchange_counts(expert_ids):
-    destination = expert_ids % world_size
-    send = torch.bincount(destination, minlength=world_size)
-    recv = torch.zeros_like(send)
-    dist.all_to_all_single(recv, send)
-    return expert_ids.argsort(stable=True), send.tolist(), recv.tolist()
+    "every rank's expert ids gathered, padded, by a from-imported all_gather_into_tensor": """
+def kept_by_expert(expert_ids, experts, capacity):
+    from torch.distributed import all_gather_into_tensor
+    padded = torch.full((16,), -1, dtype=torch.long)
+    padded[:len(expert_ids)] = expert_ids
+    table = torch.empty(world_size * 16, dtype=torch.long)
+    all_gather_into_tensor(table, padded)
+    taken, keep = {}, []
+    for source, e in enumerate(table.tolist()):
+        if e < 0:
+            continue
+        taken[e] = taken.get(e, 0) + 1
+        if source // 16 == rank:
+            keep.append(taken[e] <= capacity)
+    return torch.tensor(keep, dtype=torch.bool)
 """,
-    "sizes as tensors, not lists": """
-def exchange_counts(expert_ids):
-    destination = expert_ids % world_size
-    send = torch.bincount(destination, minlength=world_size)
-    recv = torch.zeros_like(send)
-    dist.all_to_all_single(recv, send)
-    return destination.argsort(stable=True), send, recv
-""",
-    "counts gathered from everyone instead of swapped (all ranks' rows to me summed)": """
-def exchange_counts(expert_ids):
-    destination = expert_ids % world_size
-    send = torch.bincount(destination, minlength=world_size)
-    total = send.clone()
+    "the counts all-reduced (everyone's total, not the earlier ranks')": POSITION + """
+def kept_by_expert(expert_ids, experts, capacity):
+    total = torch.bincount(expert_ids, minlength=experts)
+    mine = total.clone()
     dist.all_reduce(total)
-    return destination.argsort(stable=True), send.tolist(), total.tolist()
-""",
-    "every rank's expert ids gathered (right sizes, the rows' ids all travel)": """
-def exchange_counts(expert_ids):
-    destination = expert_ids % world_size
-    everyone = [None] * world_size
-    dist.all_gather_object(everyone, expert_ids.tolist())
-    send = torch.bincount(destination, minlength=world_size).tolist()
-    recv = [sum(1 for e in ids if e % world_size == rank) for ids in everyone]
-    return destination.argsort(stable=True), send, recv
-""",
-    "one all-to-all per destination rank (right sizes)": """
-def exchange_counts(expert_ids):
-    destination = expert_ids % world_size
-    send = torch.bincount(destination, minlength=world_size)
-    recv = torch.zeros_like(send)
-    for d in range(world_size):
-        one = torch.zeros_like(send)
-        one[d] = send[d]
-        got = torch.zeros_like(send)
-        dist.all_to_all_single(got, one)
-        recv += got
-    return destination.argsort(stable=True), send.tolist(), recv.tolist()
+    return (total - mine)[expert_ids] + position_among_mine(expert_ids) < capacity
 """,
 }
 
 
-@pytest.mark.parametrize("wrong", list(EXCHANGE_WRONG))
-def test_18_exchange_counts_must_swap_round_robin_counts(ip, cluster, wrong):
-    assert_checker(ip, LESSON, 1, EXCHANGE_WRONG[wrong], WORLD)
+@pytest.mark.parametrize("wrong", list(RECEIVER_WRONG))
+def test_18_kept_by_expert_takes_rows_in_rank_order(ip, cluster, wrong):
+    assert_checker(ip, LESSON, 1, RECEIVER_WRONG[wrong], WORLD)
+
+
+def test_18_kept_by_expert_decided_by_the_receiver_passes(ip, cluster):
+    """Another right method, with the lesson's differentiable functional all-to-all (an op that patching
+    torch.distributed never sees): the counts go to the experts' ranks, each rank decides for its experts how
+    many rows each sender may send, and the decisions come back: two all-to-alls of `experts` numbers."""
+    by_receiver = POSITION + """
+def kept_by_expert(expert_ids, experts, capacity):
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+    per_rank = experts // world_size
+    mine = torch.bincount(expert_ids, minlength=experts)            # laid out by destination rank
+    arrived = all_to_all_single_autograd(mine, [per_rank] * world_size, [per_rank] * world_size,
+                                         dist.group.WORLD).view(world_size, per_rank)   # row s: rank s
+    before = arrived.cumsum(dim=0) - arrived
+    allowed = (capacity - before).clamp(min=0).minimum(arrived)    # how many rows each sender may send
+    granted = all_to_all_single_autograd(allowed.flatten().contiguous(), [per_rank] * world_size,
+                                         [per_rank] * world_size, dist.group.WORLD)
+    return position_among_mine(expert_ids) < granted[expert_ids]
+"""
+    assert set(check(ip, LESSON, 1, by_receiver, WORLD).values()) == {"pass"}
 
 
 # exercise 2: GShard's order, every token's first choice before any second choice
@@ -138,21 +140,6 @@ def test_18_capacity_must_take_first_choices_first(ip, cluster, wrong):
     assert_checker(ip, LESSON, 2, PRIORITY_WRONG[wrong], WORLD)
 
 
-def test_18_exchange_counts_by_all_gather_of_counts_passes(ip, cluster):
-    """Another right method: one all-gather of each rank's counts (world_size numbers from each), each rank
-    reading its column."""
-    gathered = """
-def exchange_counts(expert_ids):
-    destination = expert_ids % world_size
-    send = torch.bincount(destination, minlength=world_size)
-    table = torch.empty(world_size * world_size, dtype=send.dtype, device=send.device)
-    dist.all_gather_into_tensor(table, send)
-    recv = table.reshape(world_size, world_size)[:, rank]
-    return torch.sort(destination, stable=True).indices, send.tolist(), recv.tolist()
-"""
-    assert set(check(ip, LESSON, 1, gathered, WORLD).values()) == {"pass"}
-
-
 def test_18_capacity_by_cumulative_counts_passes(ip, cluster):
     """Another right method, without a loop over experts: each row's position among its expert's rows, slot by
     slot, from a cumulative one-hot count."""
@@ -171,7 +158,7 @@ def keep_first_choices_first(chosen, capacity):
 
 def test_18_run_all_checks_the_learners_answers(ip, cluster):
     wrong = {
-        1: EXCHANGE_WRONG["no exchange: recv_sizes taken to be send_sizes"],
+        1: RECEIVER_WRONG["each sender's own rows only (section 6's rule, no collective)"],
         2: PRIORITY_WRONG["token order (the lesson's), not first choices first"],
     }
     assert_run_all(ip, LESSON, wrong, WORLD)
