@@ -27,44 +27,39 @@ def lesson_ranks(ip):
         yield magics
 
 
-# exercise 1: each rank's parameter bytes, as torch.chunk cuts dim 0
+# exercise 1: the bytes of a group's all-gather, every rank's piece padded to rank 0's torch.chunk size
 
 PREDICT_WRONG = {
-    "the bytes split evenly (no rows)": """
-def predict_bytes(model, rank, world_size):
-    return sum(p.nbytes for p in model.parameters()) // world_size
+    "the parameters' own bytes (no padding)": """
+def gathered_bytes(model, world_size):
+    return sum(p.nbytes for p in model.parameters())
 """,
-    "balanced rows (divmod), not torch.chunk's ceil-sized ones": """
-def predict_bytes(model, rank, world_size):
-    total = 0
-    for p in model.parameters():
-        base, extra = divmod(p.shape[0], world_size)
-        total += (base + (rank < extra)) * (p.numel() // p.shape[0]) * p.element_size()
-    return total
-""",
-    "floor-sized rows (the remainder dropped)": """
-def predict_bytes(model, rank, world_size):
-    return sum(p.shape[0] // world_size * (p.numel() // p.shape[0]) * p.element_size()
-               for p in model.parameters())
-""",
-    "weights only (biases forgotten)": """
+    "padded per group, not per parameter": """
 import math
 
 
-def predict_bytes(model, rank, world_size):
-    total = 0
-    for p in model.parameters():
-        if p.dim() < 2:
-            continue
-        per_rank = math.ceil(p.shape[0] / world_size)
-        total += max(0, min(per_rank, p.shape[0] - rank * per_rank)) * p.shape[1] * p.element_size()
-    return total
+def gathered_bytes(model, world_size):
+    elements = sum(p.numel() for p in model.parameters())
+    return world_size * math.ceil(elements / world_size) * 4
+""",
+    "floor-sized pieces (the remainder's rows dropped)": """
+def gathered_bytes(model, world_size):
+    return world_size * sum(p.shape[0] // world_size * (p.numel() // p.shape[0]) * p.element_size()
+                            for p in model.parameters())
+""",
+    "this rank's own shard only": """
+import math
+
+
+def gathered_bytes(model, world_size):
+    return sum(math.ceil(p.shape[0] / world_size) * (p.numel() // p.shape[0]) * p.element_size()
+               for p in model.parameters())
 """,
 }
 
 
 @pytest.mark.parametrize("wrong", list(PREDICT_WRONG))
-def test_14_predict_bytes_must_follow_fully_shard(ip, lesson_ranks, wrong):
+def test_14_gathered_bytes_must_follow_fully_shard(ip, lesson_ranks, wrong):
     assert_checker(ip, LESSON, 1, PREDICT_WRONG[wrong], WORLD)
 
 
@@ -149,15 +144,16 @@ def test_14_shard_keep_last_must_group_the_last_block_with_the_head_and_keep_it(
     assert_checker(ip, LESSON, 2, SHARD_WRONG[wrong], WORLD)
 
 
-def test_14_predict_bytes_by_chunking_passes(ip, lesson_ranks):
-    """Another right method: chunk an empty tensor of each parameter's shape as fully_shard does."""
+def test_14_gathered_bytes_by_chunking_passes(ip, lesson_ranks):
+    """Another right method: chunk an empty tensor of each parameter's shape, as fully_shard does, and count
+    rank 0's (the largest) chunk once per rank."""
     by_chunk = """
-def predict_bytes(model, rank, world_size):
+def gathered_bytes(model, world_size):
     total = 0
     for p in model.parameters():
-        pieces = torch.chunk(torch.empty(p.shape, dtype=p.dtype, device="meta"), world_size)
-        total += pieces[rank].numel() * p.element_size() if rank < len(pieces) else 0
-    return total
+        first = torch.chunk(torch.empty(p.shape, dtype=p.dtype, device="meta"), world_size)[0]
+        total += first.numel() * p.element_size()
+    return total * world_size
 """
     assert set(check(ip, LESSON, 1, by_chunk, WORLD).values()) == {"pass"}
 
@@ -178,7 +174,7 @@ def shard_keep_last(model):
 
 def test_14_run_all_checks_the_learners_answers(ip, lesson_ranks):
     wrong = {
-        1: PREDICT_WRONG["balanced rows (divmod), not torch.chunk's ceil-sized ones"],
+        1: PREDICT_WRONG["the parameters' own bytes (no padding)"],
         2: SHARD_WRONG["every block resharded, the head in the root's group (the lesson's shard_per_block)"],
     }
     assert_run_all(ip, LESSON, wrong, WORLD)
