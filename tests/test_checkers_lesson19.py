@@ -30,77 +30,92 @@ def assert_accepted(ip, exercise: int, answer: str) -> None:
     assert set(check(ip, LESSON, exercise, answer, WORLD).values()) == {"pass"}
 
 
-# exercise 1: the norm of all the gradients on a 2-D mesh, in one collective
+# exercise 1: one norm over DTensors of any placement, in one collective of at most world_size numbers
 
 NORM_WRONG = {
     "one all-reduce per mesh, as section 8 (two collectives)": """
-def total_grad_norm(model, mesh):
-    tp = mesh["tp"].size()
+def total_norm(tensors):
     two_d = torch.zeros((), device=device)
     one_d = torch.zeros((), device=device)
-    for p in model.parameters():
-        if p.grad.device_mesh.ndim == 2:
-            two_d += p.grad.to_local().pow(2).sum()
+    for t in tensors:
+        if t.device_mesh.ndim == 2:
+            two_d += t.to_local().pow(2).sum()
         else:
-            one_d += p.grad.to_local().pow(2).sum()
+            one_d += t.to_local().pow(2).sum() * t.device_mesh.size() / world_size
     dist.all_reduce(two_d)
-    dist.all_reduce(one_d, group=mesh["dp"].get_group())
+    dist.all_reduce(one_d)
     return (two_d + one_d).sqrt()
 """,
-    "the dp-only gradients counted once per tp rank": """
-def total_grad_norm(model, mesh):
-    squares = sum(p.grad.to_local().pow(2).sum() for p in model.parameters())
+    "the lesson's rule for its model only (replicated placements counted on every rank)": """
+def total_norm(tensors):
+    squares = torch.zeros((), device=device)
+    for t in tensors:
+        local = t.to_local().pow(2).sum()
+        squares += local if t.device_mesh.ndim == 2 else local * t.device_mesh.size() / world_size
     dist.all_reduce(squares)
     return squares.sqrt()
 """,
-    "every gradient gathered whole (full_tensor)": """
-def total_grad_norm(model, mesh):
-    return torch.sqrt(sum(p.grad.full_tensor().pow(2).sum() for p in model.parameters()))
+    "every piece counted on every rank (no weights)": """
+def total_norm(tensors):
+    squares = sum(t.to_local().pow(2).sum() for t in tensors)
+    dist.all_reduce(squares)
+    return squares.sqrt()
 """,
-    "every rank's shards gathered in one all_gather_into_tensor": """
-def total_grad_norm(model, mesh):
-    tp = mesh["tp"].size()
-    local = torch.cat([p.grad.to_local().flatten() / (1 if p.grad.device_mesh.ndim == 2 else tp ** 0.5)
-                       for p in model.parameters()])
-    gathered = torch.empty(world_size * local.numel(), device=device)
-    dist.all_gather_into_tensor(gathered, local)
-    return gathered.pow(2).sum().sqrt()
+    "every tensor gathered whole (full_tensor)": """
+def total_norm(tensors):
+    return torch.sqrt(sum(t.full_tensor().pow(2).sum() for t in tensors))
 """,
-    "every rank's shards gathered, all_gather_into_tensor imported from torch.distributed": """
-def total_grad_norm(model, mesh):
+    "every rank's weighted pieces gathered by a from-imported all_gather_into_tensor": """
+def total_norm(tensors):
     from torch.distributed import all_gather_into_tensor
-    tp = mesh["tp"].size()
-    local = torch.cat([p.grad.to_local().flatten() / (1 if p.grad.device_mesh.ndim == 2 else tp ** 0.5)
-                       for p in model.parameters()])
-    gathered = torch.empty(world_size * local.numel(), device=device)
-    all_gather_into_tensor(gathered, local)
+    parts = []
+    for t in tensors:
+        pieces = 1
+        for dim, placement in enumerate(t.placements):
+            if not placement.is_replicate():
+                pieces *= t.device_mesh.size(dim)
+        parts.append(t.to_local().flatten() * (pieces / world_size) ** 0.5)
+    local = torch.cat(parts)
+    sizes = [None] * world_size
+    dist.all_gather_object(sizes, local.numel())
+    padded = torch.zeros(max(sizes), device=device)
+    padded[:local.numel()] = local
+    gathered = torch.empty(world_size * padded.numel(), device=device)
+    all_gather_into_tensor(gathered, padded)
     return gathered.pow(2).sum().sqrt()
 """,
-    "this rank's shards only": """
-def total_grad_norm(model, mesh):
-    return torch.nn.utils.get_total_norm([p.grad.to_local() for p in model.parameters()])
+    "this rank's pieces only": """
+def total_norm(tensors):
+    return torch.nn.utils.get_total_norm([t.to_local() for t in tensors])
 """,
 }
 
 
 @pytest.mark.parametrize("wrong", list(NORM_WRONG))
-def test_19_total_grad_norm_in_one_small_collective(ip, lesson_ranks, wrong):
+def test_19_total_norm_in_one_small_collective(ip, lesson_ranks, wrong):
     assert_checker(ip, LESSON, 1, NORM_WRONG[wrong], WORLD)
 
 
-def test_19_total_grad_norm_from_one_tp_rank_passes(ip, lesson_ranks):
-    """Another right way to count the replicated gradients once: only tp rank 0 adds them."""
-    first_tp_rank_only = """
-def total_grad_norm(model, mesh):
-    mine = mesh.get_local_rank("tp") == 0
+def test_19_total_norm_from_the_first_rank_of_each_copy_passes(ip, lesson_ranks):
+    """Another right way to count each piece once: only the ranks at coordinate 0 of every dimension that
+    holds copies add it (a replicated dimension, or the mesh dimension the DTensor does not live on)."""
+    first_copy_only = """
+def total_norm(tensors):
     squares = torch.zeros((), device=device)
-    for p in model.parameters():
-        if p.grad.device_mesh.ndim == 2 or mine:
-            squares += torch.linalg.vector_norm(p.grad.to_local()) ** 2
+    for t in tensors:
+        mesh = t.device_mesh
+        mine = all(mesh.get_local_rank(dim) == 0
+                   for dim, placement in enumerate(t.placements) if placement.is_replicate())
+        if mesh.ndim == 1:
+            full = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else None
+            other = [name for name in full.mesh_dim_names if name != mesh.mesh_dim_names[0]]
+            mine = mine and full.get_local_rank(other[0]) == 0
+        if mine:
+            squares += torch.linalg.vector_norm(t.to_local()) ** 2
     dist.all_reduce(squares)
     return squares.sqrt()
 """
-    assert_accepted(ip, 1, first_tp_rank_only)
+    assert_accepted(ip, 1, first_copy_only)
 
 
 # exercise 2: one optimizer step over k micro-batches, FSDP reducing the gradients once
@@ -172,7 +187,7 @@ def accumulate_step(model, optimizer, ids, k):
 
 def test_19_run_all_checks_the_learners_answers(ip, lesson_ranks):
     wrong = {
-        1: NORM_WRONG["the dp-only gradients counted once per tp rank"],
+        1: NORM_WRONG["every piece counted on every rank (no weights)"],
         2: ACCUMULATE_WRONG["a plain loop: FSDP reduce-scatters after every micro-batch"],
     }
     assert_run_all(ip, LESSON, wrong, WORLD)
