@@ -35,7 +35,8 @@ def kept_by_expert(expert_ids, experts, capacity):
     mine = torch.bincount(expert_ids, minlength=experts)
     counts = torch.empty(world_size * experts, dtype=mine.dtype)
     dist.all_gather_into_tensor(counts, mine)
-    return counts.view(world_size, experts)[rank + 1:].sum(dim=0)[expert_ids] + position_among_mine(expert_ids) < capacity
+    later = counts.view(world_size, experts)[rank + 1:].sum(dim=0)
+    return later[expert_ids] + position_among_mine(expert_ids) < capacity
 """,
     "every rank's expert ids gathered, padded, by a from-imported all_gather_into_tensor": """
 def kept_by_expert(expert_ids, experts, capacity):
