@@ -250,13 +250,15 @@ def _op_name(name: str) -> str:
 
 # --------------------------------------------------------------------------- interval arithmetic
 def _work(spans: list[Span]) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
-    """(compute, communication) of a rank as sorted disjoint intervals. On a GPU, its kernels;
-    else the CPU's ranges (c10d:: calls are not compute)."""
+    """(compute, communication) of a rank as sorted disjoint intervals. Compute: on a GPU, its
+    kernels; else the CPU's ranges (c10d:: calls are not compute). Communication: NCCL's kernels
+    where there are any; else the CPU's c10d:: ranges, which is where gloo works, over CUDA
+    tensors too (it copies them to the host)."""
     on_gpu = any(span.device == "cuda" for span in spans)
     device = "cuda" if on_gpu else "cpu"
-    communication = _union(
-        [(s.start, s.end) for s in spans if s.kind == COMMUNICATION and s.device == device]
-    )
+    on_gpu_links = any(s.kind == COMMUNICATION and s.device == "cuda" for s in spans)
+    links = "cuda" if on_gpu_links else "cpu"
+    communication = _union([(s.start, s.end) for s in spans if s.kind == COMMUNICATION and s.device == links])
     compute = _union([(s.start, s.end) for s in spans if s.kind == COMPUTE and s.device == device])
     if not on_gpu:
         compute = _subtract(compute, _union([(s.start, s.end) for s in spans if s.kind == LAUNCH]))

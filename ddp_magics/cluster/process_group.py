@@ -23,9 +23,14 @@ from ddp_magics.cluster.records import (
 from ddp_magics.engine import rank as rank_code
 
 
+def nvidia_driver_here() -> bool:
+    """Whether this machine has NVIDIA's driver (so a process here may use CUDA), without torch."""
+    return Path("/dev/nvidiactl").exists()
+
+
 def visible_gpu_count() -> int:
     """GPUs this process can see, without importing torch when there can be none."""
-    if "torch" not in sys.modules and not Path("/dev/nvidiactl").exists():
+    if "torch" not in sys.modules and not nvidia_driver_here():
         return 0
     import torch
 

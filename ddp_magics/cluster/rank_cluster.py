@@ -229,15 +229,18 @@ class RankCluster:
     def memory(self, busy: list[int]) -> dict[int, protocol.RankMemory | None]:
         """Each live rank's memory. On this machine a CPU rank's memory (resident, unique,
         proportional) is read by its PID (busy or not); ranks on GPUs or on other hosts are
-        asked, if idle (``busy`` ranks run a cell), for theirs and their CUDA memory. None where
-        it cannot be known."""
+        asked, if idle (``busy`` ranks run a cell), for theirs and their CUDA memory, and so are
+        idle CPU ranks on a machine with NVIDIA's driver (a gloo rank may hold CUDA tensors).
+        None where it cannot be known."""
         dead = set(self.dead_ranks())
         found: dict[int, protocol.RankMemory | None] = {info.rank: None for info in self.ranks}
         to_ask = []
+        cuda_possible = process_group.nvidia_driver_here()
         for info in self.ranks:
             if info.rank in dead:
                 continue
-            if info.address == LOCAL_HOST and info.device == "cpu":
+            local_cpu = info.address == LOCAL_HOST and info.device == "cpu"
+            if local_cpu and (info.rank in busy or not cuda_possible):
                 with contextlib.suppress(psutil.Error):
                     full = psutil.Process(info.pid).memory_full_info()  # /proc/PID/smaps
                     pss = getattr(full, "pss", None)
