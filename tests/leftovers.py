@@ -129,6 +129,9 @@ class _LeftoverCheck:
     def __init__(self) -> None:
         self.outer_temp = tempfile.gettempdir()
         self.run_temp = tempfile.mkdtemp(prefix=RUN_TEMP_PREFIX, dir=self.outer_temp)
+        # The same permissions as the temp directory it stands in for (/tmp: 1777), so that what runs as
+        # another user (test_hardening's) meets the temp directory it would meet without this check.
+        os.chmod(self.run_temp, os.stat(self.outer_temp).st_mode & 0o7777)
         # At exit, after what this process closes then (atexit runs the last registered first).
         atexit.register(self.remove_run_temp)
         # pytest's own folders (tmp_path) stay where they were, kept for a look after a failure.
