@@ -17,7 +17,7 @@ CHROMIUM := /usr/bin/chromium
 SSHD := /usr/sbin/sshd
 SLURMD := /usr/sbin/slurmd
 
-.PHONY: install browser sshd slurm lab test notebooks bench clean
+.PHONY: install browser sshd slurm lab test notebooks bench clean course
 
 install: $(STAMP)
 
@@ -44,6 +44,10 @@ $(STAMP): pyproject.toml constraints.txt $(LAB_SOURCES) | $(PY)
 lab: install
 	$(VENV)/bin/jupyter lab --notebook-dir=notebooks --ip=127.0.0.1 --no-browser $(ALLOW_ROOT) \
 		--ServerApp.log_level=WARN --LabApp.log_level=WARN
+
+# A course's hub (docs/course.md): JupyterHub on 127.0.0.1:8000, each learner a Unix user. As root.
+course: install
+	$(PY) -m course.serve
 
 # tests/test_browser.py drives Debian's chromium (never a browser Playwright downloads). As root it
 # is installed when missing; otherwise those tests are skipped with a line that names the package.

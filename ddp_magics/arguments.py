@@ -267,6 +267,7 @@ def start_config(args: argparse.Namespace, settings: Any) -> ClusterConfig:
         hosts=tuple(hosts),
         controller_ip=controller_ip,
         heartbeat_ms=settings.heartbeat_ms,
+        park_after=settings.park_idle_after,
         link_loss_tolerance=settings.link_loss_tolerance,
         ssh_command=tuple(settings.ssh_command),
         remote_python=settings.remote_python,
