@@ -81,9 +81,18 @@ ROTATING_WRONG = {
         '        open(mine, "w").write("x")\n        os.remove(mine)\n    dist.barrier()\n',
     )
     .replace("LATEST", BY_STEP),
-    "every checkpoint kept": ROTATING.replace("SAVE", DURABLE).replace("[:-keep]", "[:0]").replace(
-        "LATEST", BY_STEP
-    ),
+    "old ones removed before the directory fsync (keep=1: a crash can leave none)": ROTATING.replace(
+        "SAVE", DURABLE
+    )
+    .replace("    sync_directory(os.path.dirname(final))\n", "")
+    .replace(
+        'os.remove(os.path.join(folder, f"step{old}.pt"))\n',
+        'os.remove(os.path.join(folder, f"step{old}.pt"))\n        sync_directory(folder)\n',
+    )
+    .replace("LATEST", BY_STEP),
+    "every checkpoint kept": ROTATING.replace("SAVE", DURABLE)
+    .replace("[:-keep]", "[:0]")
+    .replace("LATEST", BY_STEP),
     "the latest by name, not by step": ROTATING.replace("SAVE", DURABLE).replace(
         "LATEST", 'os.path.join(folder, max(f"step{s}.pt" for s in steps))'
     ),
@@ -103,7 +112,7 @@ ROTATING_RIGHT_OTHER = {
     + ROTATING.replace(
         "SAVE",
         'buffer = io.BytesIO(); save(state, buffer); f = open(final + ".new", "wb"); '
-        'f.write(buffer.getvalue()); f.flush(); fsync(f.fileno()); f.close(); '
+        "f.write(buffer.getvalue()); f.flush(); fsync(f.fileno()); f.close(); "
         'replace(final + ".new", final); '
         "sync_directory(folder)",
     )
@@ -111,6 +120,24 @@ ROTATING_RIGHT_OTHER = {
     .replace("LATEST", BY_STEP),
 }
 RNG_WRONG = {
+    "rank 1 writes its state with open(), rank 0 the rest": """
+import io
+
+
+def save_rng_states(path):
+    if rank == 1:
+        with open(path + ".rank1", "wb") as f:
+            f.write(torch.get_rng_state().numpy().tobytes())
+    states = [None] * world_size
+    dist.all_gather_object(states, torch.get_rng_state())
+    if rank == 0:
+        torch.save({"rng": states}, path)
+    dist.barrier()
+
+
+def load_rng_state(path):
+    torch.set_rng_state(torch.load(path)["rng"][rank])
+""",
     "rank 0's state only, loaded by every rank": """
 def save_rng_states(path):
     if rank == 0:
@@ -172,9 +199,30 @@ def load_rng_state(path):
 """
 
 
-def test_08_rng_states_accepts_another_right_answer(ip, cluster, ckpt_dir):
+RNG_RIGHT_BYTES = """
+import io
+
+
+def save_rng_states(path):
+    states = [None] * world_size if rank == 0 else None
+    dist.gather_object(torch.get_rng_state(), states, dst=0)
+    if rank == 0:
+        buffer = io.BytesIO()
+        torch.save({"rng": states}, buffer)              # serialised in memory, written with open()
+        with open(path, "wb") as f:
+            f.write(buffer.getvalue())
+    dist.barrier()
+
+
+def load_rng_state(path):
+    torch.set_rng_state(torch.load(path)["rng"][rank])
+"""
+
+
+@pytest.mark.parametrize("right", [RNG_RIGHT_OTHER, RNG_RIGHT_BYTES], ids=["all_gather_object", "bytes"])
+def test_08_rng_states_accepts_another_right_answer(ip, cluster, ckpt_dir, right):
     checker = lesson_cell("08_checkpointing", "# Checker for exercise 2")
-    text = on_ranks(ip, "import os\n" + RNG_RIGHT_OTHER + "\n" + checker)
+    text = on_ranks(ip, "import os\n" + right + "\n" + checker)
     assert "exercise 2: pass" in text and "not yet" not in text, text
 
 
