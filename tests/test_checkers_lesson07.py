@@ -168,3 +168,19 @@ def test_07_run_all_checks_the_learners_answers(ip, cluster):
     by_rank_only = SHARDS_WRONG["balanced over the ranks, the workers of a rank repeat each other"]
     wrong = {1: COUNTS_WRONG["ignores drop_last"], 2: by_rank_only}
     assert_run_all(ip, "07_data_loading", wrong, 2)
+
+
+def test_07_file_shards_bound_is_the_best_whole_file_assignment():
+    """The checker's bound: 3 files of 2 records on 2 readers are best read 4 and 2, not 3 and 3."""
+    import itertools
+    import math
+
+    checker = lesson_cell("07_data_loading", "# Checker for exercise 2")
+    code = checker[checker.index("def best_busiest") : checker.index("def check_ex2")]
+    space = {"math": math}
+    exec(code, space)
+    assert space["best_busiest"]([2, 2, 2], 2) == 4
+    for sizes, readers in (([7, 5, 4, 4, 3, 1], 3), ([40, 3, 25, 1, 9, 17], 4), ([6, 6, 5, 4, 3, 3, 1], 2)):
+        every = itertools.product(range(readers), repeat=len(sizes))
+        brute = min(max(sum(s for s, k in zip(sizes, a) if k == r) for r in range(readers)) for a in every)
+        assert space["best_busiest"](sizes, readers) == brute
