@@ -51,18 +51,26 @@ def magics(ip) -> DistributedMagics:
 
 
 @contextmanager
-def running_cluster(ip, world_size: int):
-    """A running gloo cluster of ``world_size`` ranks, stopped (and checked gone) afterwards."""
-    with capture_output():
-        ip.run_line_magic("dist_start", f"-n {world_size} --backend gloo")
+def started_cluster(ip, start_line: str):
+    """A cluster started by ``%dist_start start_line``, stopped (and checked gone) afterwards; yields
+    the magics and what the start printed."""
+    with capture_output() as started:
+        ip.run_line_magic("dist_start", start_line)
     magics = current_magics(ip)
     try:
-        yield magics
+        yield magics, started.stdout
     finally:
         processes = magics.cluster.processes() if magics.cluster else []
         with capture_output():
             ip.run_line_magic("dist_stop", "")
         assert_gone(processes)
+
+
+@contextmanager
+def running_cluster(ip, world_size: int):
+    """A running gloo cluster of ``world_size`` ranks, stopped (and checked gone) afterwards."""
+    with started_cluster(ip, f"-n {world_size} --backend gloo") as (magics, _):
+        yield magics
 
 
 @pytest.fixture(scope="module")

@@ -16,11 +16,10 @@ import json
 
 import pytest
 import torch
-from IPython.utils.capture import capture_output
 
 from ddp_magics.errors import DistributedCellError
 from ddp_magics.protocol import COMMUNICATION, COMPUTE, LAUNCH
-from tests.conftest import assert_gone, current_magics, run_cell, shown_text
+from tests.conftest import run_cell, shown_text, started_cluster
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -35,17 +34,9 @@ def on_ranks(ip, code: str, line: str = "") -> str:
 
 @pytest.fixture(scope="module")
 def nccl_one(ip):
-    with capture_output() as captured:
-        ip.run_line_magic("dist_start", "-n 1")
-    assert "ranks ready: backend nccl" in captured.stdout, captured.stdout
-    magics = current_magics(ip)
-    try:
+    with started_cluster(ip, "-n 1") as (magics, started):
+        assert "ranks ready: backend nccl" in started, started
         yield magics
-    finally:
-        processes = magics.cluster.processes() if magics.cluster else []
-        with capture_output():
-            ip.run_line_magic("dist_stop", "")
-        assert_gone(processes)
 
 
 def test_dist_status_shows_the_ranks_cuda_memory(ip, nccl_one):

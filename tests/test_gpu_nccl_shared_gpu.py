@@ -26,7 +26,7 @@ from IPython.utils.capture import capture_output
 
 from ddp_magics.errors import DistributedCellError
 from ddp_magics.protocol import COMMUNICATION
-from tests.conftest import assert_gone, current_magics, run_cell, shown_text
+from tests.conftest import run_cell, running_cluster, shown_text
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -52,16 +52,8 @@ def on_ranks(ip, code: str, line: str = "") -> str:
 
 @pytest.fixture(scope="module")
 def two_on_one_gpu(ip):
-    with capture_output():
-        ip.run_line_magic("dist_start", "-n 2 --backend gloo")
-    magics = current_magics(ip)
-    try:
+    with running_cluster(ip, 2) as magics:
         yield magics
-    finally:
-        processes = magics.cluster.processes() if magics.cluster else []
-        with capture_output():
-            ip.run_line_magic("dist_stop", "")
-        assert_gone(processes)
 
 
 # Why NCCL refused the first group, if it did: the module's later tests skip at once.
