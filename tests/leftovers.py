@@ -41,6 +41,7 @@ SHM_POLL_SECONDS = 0.5
 SHM_DIRECTORY = Path("/dev/shm")
 KEPT_PREFIXES = ("pytest-of-", CLUSTERS_ROOT_NAME)
 RUN_TEMP_PREFIX = "ddp-magics-test-run-"
+GIVEN_TEMP_ENV = "DDP_MAGICS_TEST_GIVEN_TMPDIR"  # the temp directory the run was given
 
 
 def own_entries(folder: Path) -> set[Path]:
@@ -140,6 +141,10 @@ class _LeftoverCheck:
         # torch/_inductor/runtime/cache_dir_utils.py), stays where it was too: a cache runs share.
         inductor_cache = os.path.join(self.outer_temp, f"torchinductor_{getpass.getuser()}")
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache)
+        # node (the course hub's proxy) would keep its compile cache in the temp directory: none.
+        os.environ.setdefault("NODE_DISABLE_COMPILE_CACHE", "1")
+        # For what must meet processes that do not inherit TMPDIR (ssh sessions on the two-host tests).
+        os.environ[GIVEN_TEMP_ENV] = self.outer_temp
         os.environ["TMPDIR"] = self.run_temp
         tempfile.tempdir = self.run_temp
         self.shm = SharedMemoryWatch(self.run_temp)

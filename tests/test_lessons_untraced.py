@@ -77,7 +77,7 @@ def compared(outputs: list) -> list[str]:
 
 
 @pytest.mark.parametrize("lesson", lessons_with_traces())
-def test_a_lesson_untraced_computes_what_it_did_traced(lesson):
+def test_a_lesson_untraced_computes_what_it_did_traced(lesson, tmp_path):
     committed = nbformat.read(NOTEBOOKS / f"{lesson}.ipynb", as_version=4)
     names = {name for cell in committed.cells for name in TRACE_NAME.findall(cell.source)}
     reads_a_trace = re.compile(rf"\b({'|'.join(map(re.escape, names))})\b") if names else None
@@ -100,7 +100,9 @@ def test_a_lesson_untraced_computes_what_it_did_traced(lesson):
             kernel_name="python3",
             timeout=120,
             allow_errors=True,
-            resources={"metadata": {"path": str(NOTEBOOKS)}},
+            # In a folder of its own: nbval runs the same lesson in notebooks/ meanwhile, and a lesson
+            # writes (and removes) its scripts and checkpoints where it runs.
+            resources={"metadata": {"path": str(tmp_path)}},
         ).execute()
     differences = [
         (index, compared(committed.cells[index].outputs), compared(untraced.cells[index].outputs))

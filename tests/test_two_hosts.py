@@ -7,6 +7,7 @@ import os
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from ddp_magics.lifetime import (
     OWNER_ENV,
     OWNER_GONE_EXIT_CODE,
 )
+from tests.leftovers import GIVEN_TEMP_ENV
 from tests.two_hosts import HOST_A, HOST_B, TwoHosts, skip_reason
 from tests.two_hosts_cases import LINK_ENV, SSH_CONFIG_ENV
 
@@ -112,9 +114,11 @@ def test_ranks_on_two_hosts_through_the_ssh_launcher():
             **os.environ,
             SSH_CONFIG_ENV: hosts.ssh_config,
             LINK_ENV: f"{hosts.ns_a}/{hosts.veth_a} {hosts.ns_b}/{hosts.veth_b}",
+            # The temp directory as the engines that ssh starts see it (sshd passes no TMPDIR on):
+            # the cases look for each host's files where that host's engines put them.
+            "TMPDIR": os.environ.get(GIVEN_TEMP_ENV, tempfile.gettempdir()),
         }
-        # Without the leftover check: the temp directory is shared with the outer run's other
-        # workers, and the outer run's check covers what this one leaves.
+        # Without the leftover check: the cases check what they leave on each host themselves.
         inner_pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
         inner_pytest += ["-p", "no:tests.leftovers"]
         inner = subprocess.run(
