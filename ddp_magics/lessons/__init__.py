@@ -3,8 +3,11 @@
     from ddp_magics.lessons import draw_op, simulated_trace, RingStepper
     from ddp_magics.lessons.exercises import verdict
 
-The drawing helpers are imported when first used, so that a rank that only needs ``verdict`` does not load
-matplotlib and the widgets.
+The figures (``anatomy.draw_anatomy``, ``ring_stepper.draw_ring_steps``, ``ddp_overlap``) and the checkers'
+recorders (``c10d_watch.c10d_watch``: every c10d op at the dispatcher; ``watch.watching``: the
+``torch.distributed`` functions called) are imported from their modules. The drawing helpers are
+imported when first used, so that a rank that only needs ``verdict`` does not load matplotlib and the
+widgets.
 """
 
 from __future__ import annotations
