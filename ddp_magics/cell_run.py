@@ -191,7 +191,8 @@ class CellRun:
     def _where_the_others_are(self, stopped: int) -> dict[str, list[int]]:
         """As a rank first stops in pdb: where the ranks still running are, by place."""
         others = [rank for rank in self.cluster.busy_ranks() if rank != stopped]
-        dumps = self.cluster.inspect(others, wait=PROMPT_INSPECT_SECONDS) if others else {}
+        prompt_wait = {"wait": PROMPT_INSPECT_SECONDS, "patience": PROMPT_INSPECT_SECONDS}
+        dumps = self.cluster.inspect(others, **prompt_wait) if others else {}
         places: dict[str, list[int]] = {}
         for rank in others:
             blocked = BlockedRank.from_dump(rank, dumps[rank].stack if rank in dumps else None, self.cell)

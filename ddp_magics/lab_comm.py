@@ -109,7 +109,9 @@ class ClusterChannel:
             return
         self._asked_at = time.monotonic()
         try:
-            found = self.magics.cluster.inspect(sorted(pending), wait=WHERE_WAIT_SECONDS)
+            found = self.magics.cluster.inspect(
+                sorted(pending), wait=WHERE_WAIT_SECONDS, patience=WHERE_WAIT_SECONDS
+            )
         except Exception:  # the cell's own wait goes on; the panel just knows less
             return
         for rank, inspection in found.items():

@@ -32,6 +32,9 @@ from ddp_magics.cluster.records import (
 SIGNAL_SECONDS = 5.0
 # How long ranks get to answer a stack-dump request.
 INSPECT_SECONDS = 3.0
+# How long a rank the request reached (its nanny confirmed the signal) is waited for beyond that: on a
+# loaded machine its answer can take longer than INSPECT_SECONDS, and it is on its way.
+INSPECT_PATIENCE_SECONDS = 12.0
 CONNECT_POLL_SECONDS = 0.005  # how often the engines connected are counted while waiting for them
 FORGET_SEND_MS = 1000  # how long the news of engines gone may take to reach the controller
 # ipyparallel logs engines' output when they exit non-zero, as they do on SIGTERM at every stop;

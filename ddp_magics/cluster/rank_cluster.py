@@ -16,7 +16,14 @@ import psutil
 
 from ddp_magics import protocol
 from ddp_magics.cluster import process_group, recovery
-from ddp_magics.cluster.engines import INSPECT_SECONDS, SIGNAL_SECONDS, Answers, CellAnswers, Engines
+from ddp_magics.cluster.engines import (
+    INSPECT_PATIENCE_SECONDS,
+    INSPECT_SECONDS,
+    SIGNAL_SECONDS,
+    Answers,
+    CellAnswers,
+    Engines,
+)
 from ddp_magics.cluster.lifecycle import ClusterProcesses
 from ddp_magics.cluster.parking import Parking
 from ddp_magics.cluster.records import (
@@ -336,16 +343,23 @@ class RankCluster:
         """Send ``signum`` to ``ranks`` through their nannies; the ranks that did not confirm."""
         return self.engines.signal(signum, ranks, **timeout)
 
-    def inspect(self, ranks: list[int], wait: float = INSPECT_SECONDS) -> dict[int, protocol.Inspection]:
+    def inspect(
+        self, ranks: list[int], wait: float = INSPECT_SECONDS, patience: float = INSPECT_PATIENCE_SECONDS
+    ) -> dict[int, protocol.Inspection]:
         """Where ``ranks``, still running the last cell, are: every thread's stack and the calls
         traced so far, even while blocked in C code (see :mod:`ddp_magics.engine.inspector`).
-        Ranks that do not answer within ``wait`` seconds are left out."""
+        Ranks that do not answer within ``wait`` seconds are left out, except that ranks the
+        request reached (the signal was confirmed) are waited for up to ``patience`` seconds."""
         run = self._cell
         before = {rank: run.published(rank, protocol.INSPECTION_KEY) for rank in ranks}
-        self.signal(protocol.STACK_DUMP_SIGNAL, ranks, timeout=wait)
+        unreached = set(self.signal(protocol.STACK_DUMP_SIGNAL, ranks, timeout=wait))
         answers: dict[int, protocol.Inspection] = {}
-        deadline = time.monotonic() + wait
-        while len(answers) < len(ranks) and time.monotonic() < deadline:
+        start = time.monotonic()
+        while len(answers) < len(ranks):
+            elapsed = time.monotonic() - start
+            awaited = [rank for rank in ranks if rank not in answers and rank not in unreached]
+            if elapsed >= wait and (elapsed >= max(wait, patience) or not awaited):
+                break
             for rank in ranks:
                 answer = run.published(rank, protocol.INSPECTION_KEY)
                 if answer is not None and answer is not before[rank]:
