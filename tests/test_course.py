@@ -246,11 +246,16 @@ TRIES = textwrap.dedent('''\
     for port in targets["ports"]:
         sock = context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDTIMEO, 5000)  # a loaded machine may take a while to connect
         sock.connect(f"tcp://127.0.0.1:{port}")
         header = json.dumps({"msg_id": "x", "msg_type": "execute_request", "session": "x",
                              "username": "x", "version": "5.3", "date": ""}).encode()
         content = json.dumps({"code": "open('/tmp/ddp-course-pwned', 'w')", "silent": False}).encode()
-        sock.send_multipart([b"<IDS|MSG>", b"0" * 64, header, b"{}", b"{}", content], zmq.NOBLOCK)
+        try:
+            sock.send_multipart([b"<IDS|MSG>", b"0" * 64, header, b"{}", b"{}", content])
+        except zmq.Again:  # no zmq peer took it within 5 s: that port runs nothing this message reaches
+            sock.close()
+            continue
         sockets.append((port, sock))
     poller = zmq.Poller()
     for _, sock in sockets:
